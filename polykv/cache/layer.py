@@ -1,0 +1,147 @@
+"""Compressed K/V storage of one attention layer for a batch of sequences.
+
+Rows are encoded on write (InnerQ-scaled first for turbo keys) into preallocated packed storage
+that grows by doubling; nothing dense is kept. Sliding-window layers keep only the newest
+`keep` tokens (`trim`).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ..codecs import Codec, Packed, get_codec
+from .accounting import storage_bytes
+
+_MIN_CAPACITY = 64
+
+
+class CompressedLayer:
+    """Packed K and V rows, leading shape [batch, kv_heads, capacity].
+
+    k_codec / v_codec: codecs bound to this layer's head_dim.
+    key_scales: InnerQ scales float32 [kv_heads, head_dim] applied to keys before encoding (turbo K
+        only), or None.
+    """
+
+    def __init__(self, k_codec: Codec, v_codec: Codec, batch: int, kv_heads: int,
+                 device: torch.device | str | None = None, key_scales: torch.Tensor | None = None):
+        if k_codec.head_dim != v_codec.head_dim:
+            raise ValueError(f"K and V head_dim differ: {k_codec.head_dim} vs {v_codec.head_dim}")
+        self.k_codec, self.v_codec = k_codec, v_codec
+        self.head_dim = k_codec.head_dim
+        self.batch, self.kv_heads = batch, kv_heads
+        self.device = torch.device(device) if device is not None else torch.device("cpu")
+        self.key_scales = None if key_scales is None else key_scales.to(self.device, torch.float32)
+        self.length = 0
+        self.k: Packed | None = None
+        self.v: Packed | None = None
+
+    @classmethod
+    def for_types(cls, k: str, v: str, head_dim: int, batch: int, kv_heads: int, device=None,
+                  key_scales=None) -> "CompressedLayer":
+        return cls(get_codec(k, head_dim), get_codec(v, head_dim), batch, kv_heads, device,
+                   key_scales)
+
+    # --- capacity ----------------------------------------------------------------------------
+    @property
+    def capacity(self) -> int:
+        return 0 if self.k is None else self.k.codes.shape[2]
+
+    def _reserve(self, needed: int) -> None:
+        if needed <= self.capacity:
+            return
+        cap = max(_MIN_CAPACITY, self.capacity)
+        while cap < needed:
+            cap *= 2
+        lead = (self.batch, self.kv_heads, cap)
+        k_new = self.k_codec.empty(lead, self.device)
+        v_new = self.v_codec.empty(lead, self.device)
+        if self.length:
+            _copy_rows(k_new, self.k, self.length)
+            _copy_rows(v_new, self.v, self.length)
+        self.k, self.v = k_new, v_new
+
+    def compact(self) -> None:
+        """Shrink storage to exactly `length` rows (e.g. after prefilling a shared prefix)."""
+        if self.k is None or self.capacity == self.length:
+            return
+        self.k = _clone_rows(self.k, self.length)
+        self.v = _clone_rows(self.v, self.length)
+
+    # --- writes ------------------------------------------------------------------------------
+    def scale_keys(self, k: torch.Tensor) -> torch.Tensor:
+        if self.key_scales is None:
+            return k
+        return k * self.key_scales.to(k.dtype)[None, :, None, :]
+
+    def append(self, k: torch.Tensor, v: torch.Tensor) -> None:
+        """Encode and append rows: k, v [batch, kv_heads, S, head_dim] (true space, unscaled)."""
+        if k.shape != v.shape or k.dim() != 4 or k.shape[0] != self.batch or k.shape[1] != self.kv_heads:
+            raise ValueError(f"expected K/V [{self.batch}, {self.kv_heads}, S, {self.head_dim}], got "
+                             f"{tuple(k.shape)} and {tuple(v.shape)}")
+        s = k.shape[2]
+        if s == 0:
+            return
+        self._reserve(self.length + s)
+        pk = self.k_codec.encode(self.scale_keys(k), check=False)
+        pv = self.v_codec.encode(v, check=False)
+        sl = slice(self.length, self.length + s)
+        _write_rows(self.k, pk, sl)
+        _write_rows(self.v, pv, sl)
+        self.length += s
+
+    def trim(self, keep: int) -> None:
+        """Keep only the newest `keep` rows (sliding-window layers)."""
+        if self.length <= keep:
+            return
+        start = self.length - keep
+        for p in (self.k, self.v):
+            p.codes[:, :, :keep] = p.codes[:, :, start:self.length].clone()
+            if p.scales is not None:
+                p.scales[:, :, :keep] = p.scales[:, :, start:self.length].clone()
+        self.length = keep
+
+    def select_batch(self, index: torch.Tensor) -> None:
+        """Reorder / subset the batch rows (beam search, dropping finished sequences)."""
+        self.k = self.k.index(index) if self.k is not None else None
+        self.v = self.v.index(index) if self.v is not None else None
+        self.batch = int(index.numel())
+
+    # --- reads -------------------------------------------------------------------------------
+    def keys(self) -> Packed:
+        """Packed keys, leading [batch, kv_heads, length] (a view)."""
+        return self.k.index((slice(None), slice(None), slice(0, self.length)))
+
+    def values(self) -> Packed:
+        return self.v.index((slice(None), slice(None), slice(0, self.length)))
+
+    def dense(self, dtype: torch.dtype = torch.float32) -> tuple[torch.Tensor, torch.Tensor]:
+        """Decoded true-space (k, v), [batch, kv_heads, length, head_dim]; keys unscaled."""
+        if self.length == 0:
+            z = torch.zeros(self.batch, self.kv_heads, 0, self.head_dim, dtype=dtype, device=self.device)
+            return z, z.clone()
+        k = self.k_codec.decode(self.keys())
+        if self.key_scales is not None:
+            k = k / self.key_scales[None, :, None, :]
+        return k.to(dtype), self.v_codec.decode(self.values()).to(dtype)
+
+    def nbytes(self) -> int:
+        """Measured bytes of the packed storage (allocated capacity included)."""
+        if self.k is None:
+            return 0
+        return storage_bytes([self.k.codes, self.k.scales, self.v.codes, self.v.scales])
+
+
+def _write_rows(dst: Packed, src: Packed, sl: slice) -> None:
+    dst.codes[:, :, sl] = src.codes
+    if dst.scales is not None:
+        dst.scales[:, :, sl] = src.scales
+
+
+def _copy_rows(dst: Packed, src: Packed, n: int) -> None:
+    _write_rows(dst, src.index((slice(None), slice(None), slice(0, n))), slice(0, n))
+
+
+def _clone_rows(p: Packed, n: int) -> Packed:
+    return Packed(p.codes[:, :, :n].clone(),
+                  None if p.scales is None else p.scales[:, :, :n].clone())
