@@ -1,0 +1,186 @@
+"""Codec formats (DESIGN §3): error levels, exact bit budgets, rotation, norms, bad input."""
+
+import math
+
+import pytest
+import torch
+
+from polykv.codecs import (CODEC_NAMES, CodecError, get_codec, lloyd_max_codebook, rotate,
+                           turbo_group_size, unrotate)
+from polykv.codecs.packing import pack_indices, unpack_indices
+
+TURBO_THEORY = {"turbo2": 0.1175, "turbo3": 0.03455, "turbo4": 0.009497}  # Gaussian Lloyd-Max
+
+
+def rel_mse(x, y):
+    return float(((x - y) ** 2).sum() / (x ** 2).sum())
+
+
+@pytest.fixture(scope="module")
+def gauss():
+    return torch.randn(8192, 128, generator=torch.Generator().manual_seed(0))
+
+
+def test_lloyd_max_gaussian_3bit_matches_published_centroids():
+    c, mse = lloyd_max_codebook(3, "gaussian")
+    assert c[4:] == pytest.approx([0.2451, 0.7560, 1.3439, 2.1519], abs=1e-3)
+    assert c[:4] == pytest.approx(-c[4:][::-1], abs=1e-12)
+    assert mse == pytest.approx(0.03455, rel=1e-3)
+
+
+@pytest.mark.parametrize("bits,mse_ref", [(1, 0.3634), (2, 0.1175), (4, 0.009497)])
+def test_lloyd_max_gaussian_distortion(bits, mse_ref):
+    _, mse = lloyd_max_codebook(bits, "gaussian")
+    assert mse == pytest.approx(mse_ref, rel=2e-3)
+
+
+def test_sphere_density_tends_to_gaussian():
+    cg, _ = lloyd_max_codebook(3, "gaussian")
+    cs, _ = lloyd_max_codebook(3, "sphere", 4096)
+    assert cs == pytest.approx(cg, abs=2e-3)
+
+
+@pytest.mark.parametrize("name", sorted(TURBO_THEORY))
+def test_turbo_rel_mse_within_5pct_of_theory(gauss, name):
+    codec = get_codec(name, 128)
+    err = rel_mse(gauss, codec.decode(codec.encode(gauss)))
+    assert abs(err / TURBO_THEORY[name] - 1) < 0.05, err
+
+
+def test_turbo8_rel_mse(gauss):
+    codec = get_codec("turbo8", 128)
+    assert rel_mse(gauss, codec.decode(codec.encode(gauss))) < 1e-4
+
+
+def test_q8_0_error_bounded_by_half_step(gauss):
+    codec = get_codec("q8_0", 128)
+    p = codec.encode(gauss)
+    assert p.codes.dtype == torch.int8 and p.scales.dtype == torch.float16
+    err = (codec.decode(p) - gauss).abs().reshape(-1, 4, 32)
+    step = p.scales.float()[..., None]
+    assert bool((err <= step / 2 + 1e-6).all())
+    assert rel_mse(gauss, codec.decode(p)) < 5e-5
+
+
+def test_q4_0_llama_cpp_semantics(gauss):
+    codec = get_codec("q4_0", 128)
+    p = codec.encode(gauss)
+    y = codec.decode(p)
+    blocks, yb = gauss.reshape(-1, 4, 32), y.reshape(-1, 4, 32)
+    d = p.scales.float()
+    # The block's largest-magnitude value maps to q = 0, i.e. -8 * d, reproduced up to fp16 rounding of d.
+    idx = blocks.abs().argmax(-1, keepdim=True)
+    assert torch.allclose(torch.gather(yb, -1, idx).squeeze(-1), -8 * d)
+    assert torch.allclose(torch.gather(blocks, -1, idx).squeeze(-1), -8 * d, rtol=1e-3)
+    err, step = (yb - blocks).abs(), d.abs()[..., None]
+    inside = (blocks / d[..., None]).abs() <= 7.5  # the +8 side clamps to 7 (16 levels, -8..7)
+    assert bool((err[inside] <= (step / 2 + 1e-3).expand_as(err)[inside]).all())
+    assert bool((err <= step + 1e-3).all())
+    assert 0.005 < rel_mse(gauss, y) < 0.01
+
+
+@pytest.mark.parametrize("head_dim", [64, 128, 256, 512])
+def test_bits_per_value_exact(head_dim):
+    x = torch.randn(3, 5, head_dim)
+    g = turbo_group_size(head_dim)
+    expected = {"f16": 16, "bf16": 16, "q8_0": 8.5, "q4_0": 4.5, "turbo8": 8 + 16 / g,
+                "turbo4": 4 + 16 / g, "turbo3": 3 + 16 / g, "turbo2": 2 + 16 / g}
+    for name in CODEC_NAMES:
+        codec = get_codec(name, head_dim)
+        p = codec.encode(x)
+        assert codec.bits_per_value(p) == expected[name], name
+        assert p.nbytes() * 8 == expected[name] * x.numel()
+    assert get_codec("turbo3", 128).bits_per_value() == 3.125
+
+
+def test_group_rule():
+    assert [turbo_group_size(d) for d in (32, 64, 128, 256, 512)] == [32, 64, 128, 128, 128]
+    for bad in (16, 48, 96, 192, 100):
+        with pytest.raises(CodecError, match="32 or 64, or a multiple of 128"):
+            get_codec("turbo3", bad)
+
+
+@pytest.mark.parametrize("name", ["turbo2", "turbo3", "turbo4", "turbo8"])
+@pytest.mark.parametrize("head_dim", [64, 256])
+def test_corrected_norm_preserves_length(name, head_dim):
+    codec = get_codec(name, head_dim)
+    x = torch.randn(257, head_dim) * 3.0
+    y = codec.decode(codec.encode(x))
+    g = codec.group
+    nx = x.reshape(-1, g).norm(dim=-1)
+    ny = y.reshape(-1, g).norm(dim=-1)
+    assert torch.allclose(ny, nx, rtol=2e-3)  # fp16 norm: ~5e-4 relative
+
+
+def test_rotation_is_orthogonal_and_invertible():
+    q, k = torch.randn(64, 256), torch.randn(64, 256)
+    for g in (32, 64, 128):
+        assert torch.allclose((rotate(q, g) * rotate(k, g)).sum(-1), (q * k).sum(-1), atol=1e-3)
+        assert torch.allclose(unrotate(rotate(q, g), g), q, atol=1e-5)
+        assert not torch.allclose(rotate(q, g), q)
+
+
+@pytest.mark.parametrize("name", ["turbo2", "turbo3", "turbo4", "turbo8"])
+def test_decode_rotated_then_unrotate_equals_decode(name):
+    codec = get_codec(name, 128)
+    p = codec.encode(torch.randn(33, 128))
+    assert torch.allclose(codec.unrotate(codec.decode_rotated(p)), codec.decode(p), atol=1e-6)
+
+
+def test_attention_scores_in_rotated_domain():
+    codec = get_codec("turbo4", 128)
+    q, k = torch.randn(4, 128), torch.randn(50, 128)
+    p = codec.encode(k)
+    s_rot = codec.rotate(q) @ codec.decode_rotated(p).T
+    s_true = q @ codec.decode(p).T
+    assert torch.allclose(s_rot, s_true, atol=1e-4)
+
+
+@pytest.mark.parametrize("bits", [1, 2, 3, 4, 8])
+def test_packing_roundtrip(bits):
+    idx = torch.randint(0, 1 << bits, (7, 2, 128), dtype=torch.uint8)
+    packed = pack_indices(idx, bits)
+    assert packed.shape[-1] == 128 * bits // 8 and packed.dtype == torch.uint8
+    assert torch.equal(unpack_indices(packed, bits, 128), idx)
+
+
+def test_turbo3_plane_layout():
+    # value i: low two bits in byte i//4 at bits 2*(i%4); high bit in byte G/4 + i//8 at bit i%8
+    idx = torch.zeros(1, 32, dtype=torch.uint8)
+    idx[0, 5] = 0b110
+    packed = pack_indices(idx, 3)
+    assert packed[0, 1] == 0b10 << 2 and packed[0, 8] == 1 << 5
+    assert int(packed.sum()) == (0b10 << 2) + (1 << 5)
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32])
+def test_input_dtypes_accepted(dtype):
+    x = torch.randn(4, 128).to(dtype)
+    for name in CODEC_NAMES:
+        codec = get_codec(name, 128)
+        assert codec.decode(codec.encode(x)).shape == (4, 128)
+
+
+def test_zero_vectors_are_exact():
+    x = torch.zeros(3, 128)
+    for name in CODEC_NAMES:
+        codec = get_codec(name, 128)
+        assert torch.equal(codec.decode(codec.encode(x)), x), name
+
+
+def test_bad_input_errors():
+    with pytest.raises(CodecError, match="valid types: f16, bf16, q8_0, q4_0, turbo8, turbo4, turbo3, turbo2"):
+        get_codec("turbo5", 128)
+    codec = get_codec("turbo3", 128)
+    with pytest.raises(CodecError, match="floating"):
+        codec.encode(torch.ones(2, 128, dtype=torch.int32))
+    with pytest.raises(CodecError, match="non-finite"):
+        codec.encode(torch.tensor([[math.nan] * 128]))
+    with pytest.raises(CodecError, match="non-finite"):
+        get_codec("q8_0", 128).encode(torch.full((1, 128), math.inf))
+    with pytest.raises(CodecError, match="empty"):
+        codec.encode(torch.zeros(0, 128))
+    with pytest.raises(CodecError, match="last dim 128"):
+        codec.encode(torch.zeros(2, 64))
+    with pytest.raises(CodecError, match="multiple of 32"):
+        get_codec("q8_0", 48)
