@@ -125,6 +125,42 @@ class CompressedLayer:
             k = k / self.key_scales[None, :, None, :]
         return k.to(dtype), self.v_codec.decode(self.values()).to(dtype)
 
+    def decode_rows(self, start: int, stop: int, dtype: torch.dtype = torch.float32,
+                    rotated: tuple[bool, bool] = (False, False)) -> tuple[torch.Tensor, torch.Tensor]:
+        """Decode rows [start, stop) -> (k, v) [batch, kv_heads, stop-start, head_dim] in `dtype`.
+
+        rotated=(k_rot, v_rot): return K (resp. V) in the codec's storage domain (turbo: centroid x
+        norm, no inverse rotation; keys stay InnerQ-scaled) instead of true space. Ignored for
+        codecs that are not rotated."""
+        start, stop = max(0, int(start)), min(int(stop), self.length)
+        n = max(0, stop - start)
+        if n == 0 or self.k is None:
+            z = torch.zeros(self.batch, self.kv_heads, 0, self.head_dim, dtype=dtype, device=self.device)
+            return z, z.clone()
+        sl = (slice(None), slice(None), slice(start, stop))
+        pk, pv = self.k.index(sl), self.v.index(sl)
+        if rotated[0] and self.k_codec.rotated:
+            k = self.k_codec.decode_rotated(pk)
+        else:
+            k = self.k_codec.decode(pk)
+            if self.key_scales is not None:
+                k = k / self.key_scales[None, :, None, :]
+        if rotated[1] and self.v_codec.rotated:
+            v = self.v_codec.decode_rotated(pv)
+        else:
+            v = self.v_codec.decode(pv)
+        return k.to(dtype), v.to(dtype)
+
+    def truncate(self, length: int) -> None:
+        """Drop the newest rows so that `length` rows remain (rollback / crop)."""
+        self.length = max(0, min(int(length), self.length))
+
+    def used_nbytes(self) -> int:
+        """Payload bytes of the `length` stored rows (numel x element size; capacity slack excluded)."""
+        if self.k is None or self.length == 0:
+            return 0
+        return self.keys().nbytes() + self.values().nbytes()
+
     def nbytes(self) -> int:
         """Measured bytes of the packed storage (allocated capacity included)."""
         if self.k is None:

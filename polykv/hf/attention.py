@@ -24,7 +24,8 @@ _ACTIVE: contextvars.ContextVar = contextvars.ContextVar("polykv_active_cache", 
 
 
 def activate(cache) -> None:
-    """Mark `cache` as the one the next attention call on this thread/context reads."""
+    """Mark `cache` as the one the next attention call on this thread/context reads (the mark is
+    consumed by that call; caches call this in every `update`)."""
     _ACTIVE.set(cache)
 
 
@@ -36,6 +37,11 @@ def polykv_attention(module: torch.nn.Module, query: torch.Tensor, key: torch.Te
                      value: torch.Tensor, attention_mask: torch.Tensor | None,
                      scaling: float | None = None, dropout: float = 0.0, **kwargs):
     cache = _ACTIVE.get()
+    if cache is not None:
+        # Consume the mark: it covers exactly the attention call that follows the cache's
+        # `update`. A later forward with another cache (e.g. a DynamicCache for capture) must not
+        # be routed to a stale polykv cache.
+        _ACTIVE.set(None)
     if cache is None or not hasattr(cache, "attend"):
         from transformers.integrations.sdpa_attention import sdpa_attention_forward
 

@@ -1,0 +1,410 @@
+"""KVCache: a transformers `Cache` whose layers hold only compressed (packed) K/V.
+
+    cache = KVCache(model, k="q8_0", v="turbo3")            # switches the model to "polykv" attention
+    out = model.generate(**inputs, past_key_values=cache, max_new_tokens=32)
+
+Each attention layer owns a `polykv.cache.CompressedLayer`. `update(k, v, layer_idx)` encodes the
+new rows into it and marks this cache active; the "polykv" attention function then calls
+`attend(...)`, the materialize path (DESIGN §4): the layer's past rows are decoded to the compute
+dtype (a transient, per-call workspace), the exact new rows of this chunk are appended, and
+transformers' own SDPA attention runs with the mask transformers built (the "polykv" mask function
+is `sdpa_mask`, so the mask is the SDPA one: a 4D boolean mask, or None where SDPA's `is_causal`
+applies). For turbo K/V the attention runs in the rotated domain: q is rotated once, stored rows are
+read as centroid x norm, and the output is inverse-rotated once.
+
+Sliding-window layers (Gemma-3 local layers) mirror `DynamicSlidingWindowLayer` exactly: after a
+chunk has attended, only the newest `sliding_window - 1` rows are kept, and `get_mask_sizes` /
+`get_seq_length` report the same numbers, so the masks transformers builds match.
+
+InnerQ (DESIGN §3) applies only when K is a turbo type: keys are stored as K*s, queries use q/s.
+`innerq="auto"` loads the table calibrated for this model from `polykv.paths.cache_dir("innerq")`
+(see `polykv.hf.capture.calibrate_innerq`), when one exists.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from transformers.cache_utils import Cache, CacheLayerMixin
+
+from ..cache import CompressedLayer, storage_bytes
+from ..codecs import CODEC_NAMES, CodecError, InnerQTable, check_codec_name, get_codec
+from ..codecs.rotation import rotate, unrotate
+from .attention import activate, use_polykv_attention
+
+SUPPORTED_LAYER_TYPES = ("full_attention", "sliding_attention")
+
+
+@dataclass(frozen=True)
+class LayerLayout:
+    """KV shape of one attention layer, read from the model config."""
+
+    index: int
+    num_kv_heads: int
+    head_dim: int
+    sliding_window: int | None
+
+
+class UnsupportedModelError(ValueError):
+    """The model's architecture is not one KVCache can serve."""
+
+
+def model_layout(model_or_config) -> list[LayerLayout]:
+    """Per-layer KV layout of a decoder-only transformers model (or its config).
+
+    Supports models whose layers are all "full_attention" / "sliding_attention" (Llama, Gemma-3,
+    Qwen2, Mistral, ...). Anything else raises UnsupportedModelError."""
+    config = getattr(model_or_config, "config", model_or_config)
+    name = getattr(config, "model_type", type(config).__name__)
+    if getattr(config, "is_encoder_decoder", False):
+        raise UnsupportedModelError(f"unsupported architecture {name!r}: encoder-decoder models are not "
+                                    "supported; KVCache serves decoder-only attention models")
+    try:
+        config = config.get_text_config(decoder=True)
+    except Exception:  # noqa: BLE001 - configs without sub-configs
+        pass
+    n_layers = getattr(config, "num_hidden_layers", None)
+    n_heads = getattr(config, "num_attention_heads", None)
+    if not n_layers or not n_heads:
+        raise UnsupportedModelError(
+            f"unsupported architecture {name!r}: the config has no num_hidden_layers / "
+            "num_attention_heads; KVCache serves decoder-only attention models (llama, gemma3, ...)")
+    kv_heads = getattr(config, "num_key_value_heads", None) or n_heads
+    head_dim = getattr(config, "head_dim", None) or getattr(config, "hidden_size") // n_heads
+    if any(getattr(config, a, None) for a in ("kv_lora_rank", "attention_chunk_size")):
+        raise UnsupportedModelError(f"unsupported architecture {name!r}: MLA / chunked attention "
+                                    "layers are not supported")
+    if getattr(config, "num_kv_shared_layers", None):
+        raise UnsupportedModelError(f"unsupported architecture {name!r}: KV-shared layers are not "
+                                    "supported")
+    layer_types = getattr(config, "layer_types", None)
+    window = getattr(config, "sliding_window", None)
+    if layer_types is None:
+        layer_types = ["sliding_attention" if window else "full_attention"] * n_layers
+    bad = sorted({t for t in layer_types if t not in SUPPORTED_LAYER_TYPES})
+    if bad:
+        raise UnsupportedModelError(f"unsupported architecture {name!r}: layer types {bad}; KVCache "
+                                    f"supports {list(SUPPORTED_LAYER_TYPES)}")
+    return [LayerLayout(i, int(kv_heads), int(head_dim),
+                        int(window) if t == "sliding_attention" else None)
+            for i, t in enumerate(layer_types[:n_layers])]
+
+
+def model_fingerprint(model) -> str:
+    """Stable id of a model's weights + architecture: "<model_type>-<16 hex>" (keys InnerQ tables)."""
+    config = model.config
+    h = hashlib.sha256()
+    fields = {k: getattr(config, k, None) for k in (
+        "model_type", "num_hidden_layers", "num_attention_heads", "num_key_value_heads", "head_dim",
+        "hidden_size", "vocab_size", "sliding_window", "rope_theta")}
+    h.update(json.dumps(fields, sort_keys=True, default=str).encode())
+    with torch.no_grad():
+        for i, (name, p) in enumerate(model.named_parameters()):
+            if i >= 6:
+                break
+            flat = p.detach().reshape(-1)[:4096].float().cpu()
+            h.update(name.encode())
+            h.update(flat.numpy().tobytes())
+    return f"{getattr(config, 'model_type', 'model')}-{h.hexdigest()[:16]}"
+
+
+def innerq_path(model) -> Path:
+    """Where the InnerQ table of `model` lives in the polykv cache dir."""
+    from ..paths import cache_dir
+
+    return cache_dir("innerq") / f"{model_fingerprint(model)}.safetensors"
+
+
+def _resolve_innerq(innerq, model, k: str) -> InnerQTable | None:
+    if innerq is None:
+        return None
+    if isinstance(innerq, InnerQTable):
+        table = innerq
+    elif innerq == "auto":
+        path = innerq_path(model)
+        if not path.exists():
+            return None
+        table = InnerQTable.load(path)
+    elif isinstance(innerq, (str, Path)):
+        if not Path(innerq).exists():
+            raise FileNotFoundError(f"InnerQ table not found: {innerq}")
+        table = InnerQTable.load(innerq)
+    else:
+        raise TypeError(f"innerq must be None, 'auto', a path or an InnerQTable, got {type(innerq).__name__}")
+    return table
+
+
+class PolyKVLayer(CacheLayerMixin):
+    """One attention layer of a KVCache: a CompressedLayer, nothing dense kept between calls."""
+
+    is_compileable = False
+    is_croppable = True
+    supports_early_init = False
+
+    def __init__(self, layout: LayerLayout, k: str, v: str, key_scales: torch.Tensor | None = None,
+                 device=None):
+        super().__init__()
+        self.layout = layout
+        self.k_type, self.v_type = k, v
+        self.k_codec = get_codec(k, layout.head_dim)
+        self.v_codec = get_codec(v, layout.head_dim)
+        if key_scales is not None and not self.k_codec.rotated:
+            key_scales = None  # InnerQ applies only to turbo keys
+        if key_scales is not None and tuple(key_scales.shape) != (layout.num_kv_heads, layout.head_dim):
+            raise ValueError(f"InnerQ table for layer {layout.index} has shape {tuple(key_scales.shape)}, "
+                             f"expected ({layout.num_kv_heads}, {layout.head_dim}): calibrated for "
+                             "another model?")
+        self.key_scales = key_scales
+        self.device = None if device is None else torch.device(device)
+        self.is_sliding = layout.sliding_window is not None
+        self.sliding_window = layout.sliding_window
+        self.cumulative_length = 0
+        self.store: CompressedLayer | None = None
+        self._past_rows = 0  # rows that were stored before the latest update (what `attend` decodes)
+        self._trim_pending = False
+
+    def __repr__(self):
+        return f"PolyKVLayer({self.k_type}/{self.v_type}, sliding={self.sliding_window})"
+
+    # --- transformers layer API ------------------------------------------------------------
+    def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
+        self.dtype = key_states.dtype
+        if self.device is None:
+            self.device = key_states.device
+        b, h = key_states.shape[0], key_states.shape[1]
+        self.store = CompressedLayer(self.k_codec, self.v_codec, b, h, self.device, self.key_scales)
+        self.is_initialized = True
+
+    def _check(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
+        lay = self.layout
+        if key_states.dim() != 4 or key_states.shape != value_states.shape:
+            raise ValueError(f"layer {lay.index}: expected K/V [batch, kv_heads, seq, head_dim] of equal "
+                             f"shape, got {tuple(key_states.shape)} / {tuple(value_states.shape)}")
+        if key_states.shape[-1] != lay.head_dim:
+            raise ValueError(f"layer {lay.index}: K/V head_dim {key_states.shape[-1]} does not match the "
+                             f"cache layout head_dim {lay.head_dim} (KVCache built for another model?)")
+        if key_states.shape[1] != lay.num_kv_heads:
+            raise ValueError(f"layer {lay.index}: got {key_states.shape[1]} KV heads, the cache layout "
+                             f"has {lay.num_kv_heads} (KVCache built for another model?)")
+        if self.store is not None and key_states.shape[0] != self.store.batch:
+            raise ValueError(f"layer {lay.index}: batch {key_states.shape[0]} differs from the cache "
+                             f"batch {self.store.batch}; use a fresh KVCache per batch")
+
+    def apply_pending_trim(self) -> None:
+        if self._trim_pending and self.store is not None:
+            self.store.trim(self.sliding_window - 1)
+        self._trim_pending = False
+
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
+        self._check(key_states, value_states)
+        if not self.is_initialized:
+            self.lazy_initialization(key_states, value_states)
+        self.apply_pending_trim()
+        self._past_rows = self.store.length
+        self.store.append(key_states.to(self.device), value_states.to(self.device))
+        self.cumulative_length += key_states.shape[-2]
+        # Sliding layers keep the last window-1 rows, but only after this chunk has attended
+        # (the chunk's first queries still see rows that the trim drops).
+        self._trim_pending = self.is_sliding
+        return key_states, value_states
+
+    def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
+        if not self.is_sliding:
+            return self.cumulative_length + query_length, 0
+        w = self.sliding_window
+        kv_offset = max(self.cumulative_length - w + 1, 0)
+        if self.cumulative_length >= w:
+            return w - 1 + query_length, kv_offset
+        return self.cumulative_length + query_length, kv_offset
+
+    def get_seq_length(self) -> int:
+        return self.cumulative_length
+
+    def get_max_length(self) -> int:
+        return self.sliding_window if self.is_sliding else -1
+
+    def reset(self) -> None:
+        if self.store is not None:
+            self.store.truncate(0)
+        self.cumulative_length = 0
+        self._past_rows = 0
+        self._trim_pending = False
+
+    def offload(self):  # compressed storage stays where it is
+        pass
+
+    def prefetch(self):
+        pass
+
+    def crop(self, tokens_to_remove: int) -> None:
+        if tokens_to_remove > 0:  # legacy: absolute target length
+            tokens_to_remove = tokens_to_remove - self.cumulative_length
+            if tokens_to_remove >= 0:
+                return
+        n = abs(tokens_to_remove)
+        if n == 0:
+            self.apply_pending_trim()
+            return
+        if self.is_sliding and self.cumulative_length >= self.sliding_window:
+            raise RuntimeError("cannot crop a sliding-window layer after the window was reached")
+        self.store.truncate(self.store.length - n)
+        self.cumulative_length -= n
+        self._past_rows = min(self._past_rows, self.store.length)
+
+    def _select(self, index: torch.Tensor) -> None:
+        if self.store is not None and self.store.k is not None:
+            self.store.select_batch(index.to(self.store.device))
+
+    def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
+        self._select(beam_idx)
+
+    def batch_repeat_interleave(self, repeats: int) -> None:
+        if self.store is not None and self.store.k is not None:
+            self._select(torch.arange(self.store.batch).repeat_interleave(repeats))
+
+    def batch_select_indices(self, indices: torch.Tensor) -> None:
+        self._select(indices)
+
+    # --- polykv ----------------------------------------------------------------------------
+    def nbytes(self) -> int:
+        return 0 if self.store is None else self.store.nbytes()
+
+    def tensors(self) -> list[torch.Tensor]:
+        s = self.store
+        if s is None or s.k is None:
+            return []
+        return [t for t in (s.k.codes, s.k.scales, s.v.codes, s.v.scales) if t is not None]
+
+
+class KVCache(Cache):
+    """A transformers Cache holding every layer's K/V compressed (DESIGN §1, §3).
+
+    k, v:            KV types (polykv.codecs.CODEC_NAMES), e.g. k="q8_0", v="turbo3".
+    innerq:          None | "auto" | path | InnerQTable — key channel scales, used only for turbo K.
+    device:          where the compressed storage lives (default: where the K/V come from).
+    keep_layers_q8:  the first n and the last n layers store K and V as q8_0.
+    rotated_attention: run turbo K/V attention in the rotated domain (default True).
+
+    Constructing a KVCache switches `model` to the "polykv" attention implementation.
+    """
+
+    def __init__(self, model, k: str = "q8_0", v: str = "turbo3", innerq=None, device=None,
+                 keep_layers_q8: int = 0, rotated_attention: bool = True):
+        check_codec_name(k)
+        check_codec_name(v)
+        layout = model_layout(model)
+        n = len(layout)
+        keep = int(keep_layers_q8)
+        if keep < 0 or keep > n:
+            raise ValueError(f"keep_layers_q8 must be in [0, {n}], got {keep_layers_q8}")
+        table = _resolve_innerq(innerq, model, k)
+        layers = []
+        for lay in layout:
+            kt, vt = (("q8_0", "q8_0") if keep and (lay.index < keep or lay.index >= n - keep)
+                      else (k, v))
+            try:
+                get_codec(kt, lay.head_dim)
+                get_codec(vt, lay.head_dim)
+            except CodecError as e:
+                raise CodecError(f"layer {lay.index} (head_dim {lay.head_dim}): {e}") from None
+            scales = table.layer(lay.index) if table is not None else None
+            layers.append(PolyKVLayer(lay, kt, vt, scales, device))
+        super().__init__(layers=layers)
+        self.k_type, self.v_type = k, v
+        self.keep_layers_q8 = keep
+        self.innerq = table if (table is not None and get_codec(k, layout[0].head_dim).rotated) else None
+        self.rotated_attention = bool(rotated_attention)
+        if self.innerq is not None and not self.rotated_attention:
+            raise ValueError("InnerQ needs rotated_attention=True (keys are stored scaled)")
+        use_polykv_attention(model)
+
+    # --- transformers API --------------------------------------------------------------------
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args,
+               **kwargs):
+        out = self.layers[layer_idx].update(key_states, value_states)
+        activate(self)
+        return out
+
+    # --- the attention protocol (polykv.hf.attention) -----------------------------------------
+    def attend(self, module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+               attention_mask, scaling=None, **kwargs) -> torch.Tensor:
+        """Materialize path: decode this layer's stored past rows, append the exact new rows
+        (`key`/`value`, as returned by `update`), then transformers' SDPA with the given mask."""
+        from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+        layer: PolyKVLayer = self.layers[module.layer_idx]
+        store = layer.store
+        dtype = query.dtype
+        k_rot = self.rotated_attention and layer.k_codec.rotated
+        v_rot = self.rotated_attention and layer.v_codec.rotated
+        past_k, past_v = store.decode_rows(0, layer._past_rows, dtype, rotated=(k_rot, v_rot))
+        new_k, new_v = key.to(store.device), value.to(store.device)
+        q = query
+        if layer.key_scales is not None and k_rot:
+            s = layer.key_scales.to(dtype)
+            if k_rot:  # the stored keys are K*s; the query carries 1/s
+                new_k = new_k * s[None, :, None, :]
+            q = q / s.repeat_interleave(q.shape[1] // s.shape[0], 0)[None, :, None, :]
+        if k_rot:
+            g = layer.k_codec.group
+            q = rotate(q, g).to(dtype)
+            new_k = rotate(new_k, g).to(dtype)
+        if v_rot:
+            new_v = rotate(new_v, layer.v_codec.group).to(dtype)
+        k_all = torch.cat([past_k, new_k.to(dtype)], dim=2)
+        v_all = torch.cat([past_v, new_v.to(dtype)], dim=2)
+        out, _ = sdpa_attention_forward(module, q, k_all, v_all, attention_mask, scaling=scaling,
+                                        **kwargs)
+        del k_all, v_all, past_k, past_v
+        if v_rot:
+            out = unrotate(out, layer.v_codec.group).to(dtype)
+        layer.apply_pending_trim()
+        return out
+
+    # --- polykv extras -----------------------------------------------------------------------
+    def tensors(self) -> list[torch.Tensor]:
+        return [t for layer in self.layers for t in layer.tensors()]
+
+    def nbytes(self) -> int:
+        """Measured KV bytes (DESIGN §7): untyped storage of every KV tensor, each storage once."""
+        return storage_bytes(self.tensors())
+
+    def compact(self) -> None:
+        """Shrink every layer's storage to exactly its rows (drops growth slack)."""
+        for layer in self.layers:
+            layer.apply_pending_trim()
+            if layer.store is not None:
+                layer.store.compact()
+
+    def memory_report(self) -> dict:
+        """Measured bytes: kv_bytes (allocated storage), kv_bytes_used (payload of stored rows),
+        bits_per_value (used bytes x 8 / stored values), per-layer detail."""
+        per_layer, used, values = [], 0, 0
+        for layer in self.layers:
+            st = layer.store
+            rows = 0 if st is None else st.length
+            u = 0 if st is None else st.used_nbytes()
+            vals = 0 if st is None else 2 * st.batch * st.kv_heads * rows * st.head_dim
+            used += u
+            values += vals
+            per_layer.append({"layer": layer.layout.index, "k": layer.k_type, "v": layer.v_type,
+                              "sliding_window": layer.sliding_window, "rows": rows,
+                              "bytes": layer.nbytes(), "bytes_used": u})
+        return {
+            "k": self.k_type, "v": self.v_type, "keep_layers_q8": self.keep_layers_q8,
+            "innerq": self.innerq is not None, "layers": len(self.layers),
+            "tokens": self.get_seq_length(), "kv_bytes": self.nbytes(), "kv_bytes_used": used,
+            "bits_per_value": (used * 8 / values) if values else None, "per_layer": per_layer,
+        }
+
+    def __repr__(self):
+        return (f"KVCache(k={self.k_type!r}, v={self.v_type!r}, layers={len(self.layers)}, "
+                f"tokens={self.get_seq_length()}, bytes={self.nbytes()})")
+
+
+__all__ = ["CODEC_NAMES", "KVCache", "LayerLayout", "PolyKVLayer", "UnsupportedModelError",
+           "innerq_path", "model_fingerprint", "model_layout"]
