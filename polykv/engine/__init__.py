@@ -1,1 +1,20 @@
+"""Scheduling agents: continuous batching across documents, per-request sampling, streaming."""
 
+from .dense import DenseBatch, DensePool
+from .engine import Engine, EngineClosedError, Event, GenerationRequest, QueueFullError, RequestHandle
+from .sampling import Sampler, SamplingParams, StopChecker, sample_token
+
+__all__ = [
+    "DenseBatch",
+    "DensePool",
+    "Engine",
+    "EngineClosedError",
+    "Event",
+    "GenerationRequest",
+    "QueueFullError",
+    "RequestHandle",
+    "Sampler",
+    "SamplingParams",
+    "StopChecker",
+    "sample_token",
+]
