@@ -1,0 +1,223 @@
+"""The `polykv` command (also `python -m polykv`). Every command takes --json and then prints
+exactly one JSON object on stdout; progress and logs go to stderr."""
+
+from __future__ import annotations
+
+import json
+import sys
+from typing import Optional
+
+import typer
+
+app = typer.Typer(add_completion=False, no_args_is_help=True,
+                  help="polykv: shared, compressed KV caches for many agents over one document.")
+bench_app = typer.Typer(no_args_is_help=True, help="Benchmarks (memory fan-out, attention, serving).")
+app.add_typer(bench_app, name="bench")
+
+try:  # the quality harness lives in polykv.eval; mounted when importable
+    from .eval.cli import app as _eval_app
+
+    app.add_typer(_eval_app, name="eval", help="Quality harness: ppl, equiv, ruler, tiers.")
+except ImportError:  # pragma: no cover - only while the harness is absent
+    pass
+
+
+def emit(obj: dict) -> None:
+    """Print one JSON object on stdout."""
+    sys.stdout.write(json.dumps(obj, default=_jsonable) + "\n")
+    sys.stdout.flush()
+
+
+def _jsonable(o):
+    if hasattr(o, "item"):
+        return o.item()
+    if hasattr(o, "tolist"):
+        return o.tolist()
+    return str(o)
+
+
+def _console():
+    from rich.console import Console
+
+    return Console()
+
+
+def _table(title: str, rows: list[dict], columns: list[str], fmt: dict | None = None):
+    from rich.table import Table
+
+    fmt = fmt or {}
+    t = Table(title=title)
+    for c in columns:
+        t.add_column(c, justify="right" if c != columns[0] else "left")
+    for r in rows:
+        t.add_row(*[(fmt.get(c, "{}")).format(r.get(c, "")) if r.get(c) is not None else "" for c in columns])
+    return t
+
+
+@app.command()
+def codecs(
+    json_out: bool = typer.Option(False, "--json", help="Print one JSON object."),
+    model: Optional[str] = typer.Option(None, "--model", help="Also measure on this model's real K/V "
+                                        "(registry name, HF dir or .gguf)."),
+    head_dim: int = typer.Option(128, "--head-dim", help="head_dim of the Gaussian test vectors."),
+    tokens: int = typer.Option(1024, "--tokens", help="Tokens of real text to capture K/V from."),
+):
+    """Table of KV types: measured bits/value and error on N(0,1) data (and on real K/V with --model)."""
+    from .codecs.report import gaussian_table
+
+    result: dict = {"head_dim": head_dim, "types": gaussian_table(head_dim)}
+    if model is not None:
+        from .bench.codecs import real_kv_table
+        from .data import corpus_text
+        from .hf.loading import load_model
+
+        m, tok = load_model(model)
+        text = corpus_text()
+        half = len(text) // 2
+        result["model"] = model
+        result["real"] = real_kv_table(m, tok, text[half:half + 20000], text[:20000], tokens)
+    if json_out:
+        emit(result)
+        return
+    con = _console()
+    con.print(_table(f"KV types, N(0,1) data, head_dim {head_dim}", result["types"],
+                     ["name", "bits_per_value", "rel_mse_gaussian", "cosine_gaussian"],
+                     {"bits_per_value": "{:.3f}", "rel_mse_gaussian": "{:.3g}", "cosine_gaussian": "{:.5f}"}))
+    if "real" in result:
+        cols = ["name", "rel_mse_k", "rel_mse_k_innerq", "rel_mse_v", "cosine_k", "cosine_k_innerq", "cosine_v"]
+        con.print(_table(f"real K/V of {model} ({result['real']['tokens']} tokens; InnerQ on "
+                         f"{len(result['real']['innerq_layers'])} layers)", result["real"]["rows"], cols,
+                         {c: "{:.4g}" for c in cols[1:]}))
+
+
+@app.command()
+def demo(
+    json_out: bool = typer.Option(False, "--json", help="Print one JSON object."),
+    agents: int = typer.Option(8, "--agents", help="Number of agents (questions) over the document."),
+    k: str = typer.Option("q8_0", "--k", help="Key type."),
+    v: str = typer.Option("turbo3", "--v", help="Value type."),
+    model: Optional[str] = typer.Option(None, "--model", help="Model (default: embedded SmolLM2-135M)."),
+    max_new_tokens: int = typer.Option(24, "--max-new-tokens"),
+):
+    """The main job: one bundled document prefilled once, N agents answer questions over it."""
+    from .demo import format_demo, run_demo
+    from .hf.loading import load_model
+
+    m, tok = load_model(model)
+    result = run_demo(m, tok, agents=agents, k=k, v=v, max_new_tokens=max_new_tokens)
+    if json_out:
+        emit(result)
+    else:
+        print(format_demo(result))
+
+
+@app.command()
+def calibrate(
+    model: Optional[str] = typer.Option(None, "--model", help="Model (default: embedded SmolLM2-135M)."),
+    out: Optional[str] = typer.Option(None, "--out", help="Output file (default: the cache dir, where "
+                                      "KVCache(innerq='auto') finds it)."),
+    json_out: bool = typer.Option(False, "--json"),
+):
+    """Calibrate InnerQ key scales from real keys of a model and save the table."""
+    from .hf.capture import calibrate_innerq
+    from .hf.loading import load_model
+
+    m, tok = load_model(model)
+    result = calibrate_innerq(m, tok, out=out)
+    if json_out:
+        emit(result)
+    else:
+        print(json.dumps(result, indent=2))
+
+
+@bench_app.command("fanout")
+def bench_fanout_cmd(
+    agents: str = typer.Option("1,2,4,8,16,32", "--agents", help="Comma-separated agent counts."),
+    doc_tokens: int = typer.Option(2048, "--doc-tokens"),
+    suffix_tokens: int = typer.Option(64, "--suffix-tokens"),
+    k: str = typer.Option("q8_0", "--k"),
+    v: str = typer.Option("turbo3", "--v"),
+    model: Optional[str] = typer.Option(None, "--model"),
+    plot: Optional[str] = typer.Option(None, "--plot", help="Write a PNG plot (bytes vs agents) here."),
+    json_out: bool = typer.Option(False, "--json"),
+):
+    """Peak KV bytes with N agents alive: naive f16 copies vs ref-style vs shared (measured)."""
+    from .bench.fanout import bench_fanout
+    from .hf.loading import load_model
+
+    m, tok = load_model(model)
+    counts = tuple(int(a) for a in agents.split(","))
+    result = bench_fanout(m, tok, agents=counts, doc_tokens=doc_tokens, suffix_tokens=suffix_tokens,
+                          k=k, v=v, plot_path=plot)
+    if json_out:
+        emit(result)
+    else:
+        _console().print(_table(f"fan-out, {doc_tokens}-token document, K {k} / V {v}", result["rows"],
+                                ["agents", "naive_bytes", "ref_style_bytes", "shared_bytes"],
+                                {c: "{:,}" for c in ("naive_bytes", "ref_style_bytes", "shared_bytes")}))
+
+
+@bench_app.command("attention")
+def bench_attention_cmd(
+    ctx: str = typer.Option("4096,16384,65536,131072", "--ctx"),
+    agents: str = typer.Option("1", "--agents"),
+    pairs: str = typer.Option("q8_0/turbo3,turbo4/turbo3,turbo3/turbo3", "--pairs", help="K/V pairs."),
+    json_out: bool = typer.Option(False, "--json"),
+):
+    """Decode / cascade attention speed vs SDPA on dense f16 (needs a CUDA GPU)."""
+    import torch
+
+    if not torch.cuda.is_available():
+        raise typer.BadParameter("`polykv bench attention` needs a CUDA GPU (none found)")
+    from .bench.attention import bench_attention
+
+    result = bench_attention(ctxs=[int(c) for c in ctx.split(",")], agents=[int(a) for a in agents.split(",")],
+                             pairs=[tuple(p.split("/")) for p in pairs.split(",")])
+    if json_out:
+        emit(result)
+    else:
+        _console().print(_table("attention", result["rows"],
+                                ["ctx", "agents", "k", "v", "ms", "ms_sdpa_f16", "speedup", "gbps"],
+                                {"ms": "{:.3f}", "ms_sdpa_f16": "{:.3f}", "speedup": "{:.2f}", "gbps": "{:.0f}"}))
+
+
+@bench_app.command("serve")
+def bench_serve_cmd(
+    clients: int = typer.Option(32, "--clients"),
+    requests: int = typer.Option(8, "--requests", help="Requests per client."),
+    max_tokens: int = typer.Option(16, "--max-tokens"),
+    model: Optional[str] = typer.Option(None, "--model"),
+    json_out: bool = typer.Option(False, "--json"),
+):
+    """Bounded loopback load: N concurrent clients x M requests over one shared document."""
+    from .bench.serve import bench_serve
+
+    result = bench_serve(n_clients=clients, requests_per_client=requests, max_tokens=max_tokens, model=model)
+    if json_out:
+        emit(result)
+    else:
+        print(json.dumps(result, indent=2))
+
+
+@app.command()
+def serve(
+    host: str = typer.Option("127.0.0.1", "--host"),
+    port: int = typer.Option(8000, "--port"),
+    model: Optional[str] = typer.Option(None, "--model"),
+    k: str = typer.Option("q8_0", "--k"),
+    v: str = typer.Option("turbo3", "--v"),
+    store: Optional[str] = typer.Option(None, "--store", help="Directory where documents persist."),
+    budget_bytes: Optional[int] = typer.Option(None, "--budget-bytes", help="KV memory budget."),
+):
+    """OpenAI-compatible HTTP server over shared compressed documents."""
+    from .server import serve as _serve
+
+    _serve(host=host, port=port, model=model, k=k, v=v, store=store, budget_bytes=budget_bytes)
+
+
+def main() -> None:
+    app()
+
+
+if __name__ == "__main__":
+    main()
