@@ -281,7 +281,10 @@ class Engine:
         rows = []
         for st in list(self._live.values()):
             r = st.handle.request
-            rows.append({"id": r.request_id, "document": r.document, "prompt_tokens": len(r.prompt_ids),
+            doc = r.document
+            if doc is not None and not isinstance(doc, (str, int)):
+                doc = str(getattr(doc, "id", doc))
+            rows.append({"id": r.request_id, "document": doc, "prompt_tokens": len(r.prompt_ids),
                          "generated": len(st.tokens), "max_tokens": r.params.max_tokens,
                          "age_s": round(now - st.handle.submitted_at, 3)})
         return rows

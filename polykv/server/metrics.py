@@ -1,0 +1,56 @@
+"""Prometheus metrics of one app (own CollectorRegistry, so several apps can live in one process)."""
+
+from __future__ import annotations
+
+import time
+
+from fastapi import Request
+from fastapi.responses import Response
+from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+
+__all__ = ["Metrics"]
+
+
+class Metrics:
+    def __init__(self, state):
+        self.state = state
+        r = self.registry = CollectorRegistry()
+        self.requests = Counter("polykv_requests", "HTTP requests by route and status code",
+                                ["method", "route", "status"], registry=r)
+        self.request_seconds = Histogram("polykv_request_duration_seconds", "HTTP request latency",
+                                         ["route"], registry=r,
+                                         buckets=(0.01, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120))
+        self.prompt_tokens = Counter("polykv_prompt_tokens", "Prompt tokens submitted", registry=r)
+        self.completion_tokens = Counter("polykv_completion_tokens", "Completion tokens returned", registry=r)
+        self.step_seconds = Histogram("polykv_step_seconds", "Engine step latency (one AgentBatch step)",
+                                      registry=r, buckets=(0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10))
+        eng = state.engine
+        Gauge("polykv_live_agents", "Agents currently decoding", registry=r).set_function(eng.live_agents)
+        Gauge("polykv_waiting_requests", "Requests queued for admission", registry=r).set_function(eng.waiting)
+        Gauge("polykv_documents", "Shared documents held", registry=r).set_function(lambda: len(state.docs))
+        Gauge("polykv_generated_tokens", "Tokens sampled by the engine since start",
+              registry=r).set_function(lambda: eng.tokens_generated)
+        self.kv_bytes = Gauge("polykv_kv_bytes", "KV cache bytes: shared (measured, one copy per document) "
+                              "vs naive (f16 copy per agent)", ["kind"], registry=r)
+
+    def install(self, app) -> None:
+        @app.middleware("http")
+        async def _count(request: Request, call_next):
+            t0 = time.perf_counter()
+            status = 500
+            try:
+                response = await call_next(request)
+                status = response.status_code
+                return response
+            finally:
+                route = request.scope.get("route")
+                path = getattr(route, "path", None) or "unmatched"
+                self.requests.labels(request.method if route else "other", path, str(status)).inc()
+                self.request_seconds.labels(path).observe(time.perf_counter() - t0)
+
+        @app.get("/metrics", tags=["ops"], response_class=Response)
+        async def metrics():
+            mem = await self.state.memory()
+            self.kv_bytes.labels("shared").set(mem.get("kv_bytes_shared") or 0)
+            self.kv_bytes.labels("naive").set(mem.get("kv_bytes_naive_f16") or 0)
+            return Response(generate_latest(self.registry), media_type=CONTENT_TYPE_LATEST)

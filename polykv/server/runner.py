@@ -1,0 +1,119 @@
+"""Run the app: `serve(...)` (blocking, for the CLI) and `ServerThread` (in-process uvicorn on a
+free loopback port, for tests and the benchmark)."""
+
+from __future__ import annotations
+
+import logging
+import os
+import socket
+import threading
+import time
+from pathlib import Path
+
+__all__ = ["ServerThread", "build_pool", "free_port", "serve"]
+
+log = logging.getLogger("polykv.server")
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind((host, 0))
+        return s.getsockname()[1]
+
+
+def _store_has_pool(store: str | os.PathLike) -> bool:
+    p = Path(store)
+    return p.is_dir() and any(p.iterdir())
+
+
+def build_pool(model, tok, *, k: str = "q8_0", v: str = "turbo3", store=None, budget_bytes=None, device=None):
+    """SharedKVPool (loaded from `store` when it holds a saved pool); DensePool if the shared pool is
+    not importable."""
+    try:
+        from ..pool import SharedKVPool
+    except ImportError as exc:  # pragma: no cover - only while the pool package is incomplete
+        log.warning("polykv.pool.SharedKVPool unavailable (%s); serving with the dense reference pool", exc)
+        from ..engine.dense import DensePool
+
+        return DensePool(model, tok, k=k, v=v, device=device, budget_bytes=budget_bytes)
+    if store is not None and _store_has_pool(store):
+        pool = SharedKVPool.load(str(store), model, tok)
+        if budget_bytes is not None and hasattr(pool, "budget_bytes"):
+            pool.budget_bytes = budget_bytes
+        return pool
+    return SharedKVPool(model, tok, k=k, v=v, device=device, budget_bytes=budget_bytes)
+
+
+def _make_app(model=None, k="q8_0", v="turbo3", store=None, budget_bytes=None, **app_kw):
+    from ..hf.loading import load_model
+    from .app import create_app
+
+    name = model or "smollm2-135m"
+    m, tok = load_model(model)
+    if store is not None:
+        Path(store).mkdir(parents=True, exist_ok=True)
+    pool = build_pool(m, tok, k=k, v=v, store=store, budget_bytes=budget_bytes)
+    return create_app(pool, model_name=str(name), k=k, v=v, store=str(store) if store else None, **app_kw)
+
+
+def serve(host: str = "127.0.0.1", port: int = 8000, model: str | None = None, k: str = "q8_0",
+          v: str = "turbo3", store: str | None = None, budget_bytes: int | None = None,
+          log_level: str = "info") -> None:
+    """Load the model, build (or load from `store`) the pool and serve until interrupted.
+
+    Ctrl-C / SIGTERM: uvicorn stops accepting, the app's lifespan ends and the engine thread is
+    joined before this returns.
+    """
+    import uvicorn
+
+    app = _make_app(model=model, k=k, v=v, store=store, budget_bytes=budget_bytes)
+    uvicorn.run(app, host=host, port=port, log_level=log_level, timeout_graceful_shutdown=5)
+
+
+class ServerThread:
+    """uvicorn serving `app` in a background thread on 127.0.0.1:<free port>.
+
+        with ServerThread(app) as srv:
+            httpx.get(srv.url + "/health")
+    Exiting stops uvicorn (graceful, then forced) and joins the thread; the app's lifespan shuts the
+    engine down.
+    """
+
+    def __init__(self, app, host: str = "127.0.0.1", port: int | None = None, log_level: str = "warning"):
+        import uvicorn
+
+        self.host = host
+        self.port = port or free_port(host)
+        self.config = uvicorn.Config(app, host=host, port=self.port, log_level=log_level, lifespan="on",
+                                     timeout_graceful_shutdown=3, access_log=False)
+        self.server = uvicorn.Server(self.config)
+        self.thread = threading.Thread(target=self.server.run, name=f"uvicorn-{self.port}", daemon=True)
+
+    @property
+    def url(self) -> str:
+        return f"http://{self.host}:{self.port}"
+
+    def start(self, timeout: float = 30.0) -> "ServerThread":
+        self.thread.start()
+        t0 = time.monotonic()
+        while not self.server.started:
+            if not self.thread.is_alive():
+                raise RuntimeError("uvicorn thread died during startup")
+            if time.monotonic() - t0 > timeout:
+                self.stop()
+                raise TimeoutError("uvicorn did not start")
+            time.sleep(0.02)
+        return self
+
+    def stop(self, timeout: float = 30.0) -> None:
+        self.server.should_exit = True
+        self.thread.join(timeout)
+        if self.thread.is_alive():
+            self.server.force_exit = True
+            self.thread.join(timeout)
+
+    def __enter__(self):
+        return self.start()
+
+    def __exit__(self, *exc):
+        self.stop()
