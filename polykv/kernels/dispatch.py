@@ -1,0 +1,204 @@
+"""Public kernel entry points: Triton on CUDA tensors, the torch reference elsewhere.
+
+    POLYKV_FORCE_REFERENCE=1 (or force_reference(True)) -> always the reference.
+    POLYKV_TRITON_ON_CPU=1 or TRITON_INTERPRET=1         -> Triton kernels on CPU tensors through
+                                                            the Triton interpreter (tests).
+Triton is imported lazily, on the first call that uses it; without triton every call takes the
+reference path.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import math
+import os
+
+import torch
+
+from ..codecs import Packed
+from . import reference as ref
+from .reference import as_codec
+
+_FORCE: bool | None = None
+
+
+def force_reference(flag: bool | None = True) -> None:
+    """Force (True) / forbid forcing (False) the reference path; None restores the env default."""
+    global _FORCE
+    _FORCE = flag
+
+
+def _forced() -> bool:
+    if _FORCE is not None:
+        return _FORCE
+    return os.environ.get("POLYKV_FORCE_REFERENCE", "0") == "1"
+
+
+def triton_available() -> bool:
+    return importlib.util.find_spec("triton") is not None
+
+
+def _interp() -> bool:
+    if os.environ.get("POLYKV_TRITON_ON_CPU", "0") == "1":
+        return True
+    return os.environ.get("TRITON_INTERPRET", "0") == "1" and not _SET_INTERPRET
+
+
+def use_triton(*tensors: torch.Tensor) -> bool:
+    """Whether a call on these tensors takes the Triton path."""
+    if _forced() or not triton_available():
+        return False
+    if all(t.is_cuda for t in tensors):
+        return True
+    return _interp() and not any(t.is_cuda for t in tensors)
+
+
+_MODS = None
+_SET_INTERPRET = False  # True when this module set TRITON_INTERPRET (for POLYKV_TRITON_ON_CPU)
+
+
+def _k():
+    """The Triton kernel modules, imported on first use. Triton decides interpreter vs compiled at
+    decoration time (and reads TRITON_INTERPRET again while interpreting), so with
+    POLYKV_TRITON_ON_CPU=1 TRITON_INTERPRET=1 is set before the import and left set."""
+    global _MODS, _SET_INTERPRET
+    if _MODS is None:
+        if (os.environ.get("POLYKV_TRITON_ON_CPU", "0") == "1"
+                and os.environ.get("TRITON_INTERPRET", "0") != "1"):
+            os.environ["TRITON_INTERPRET"] = "1"
+            _SET_INTERPRET = True
+        if os.environ.get("TRITON_INTERPRET", "0") == "1":
+            _fix_interpreter()
+        from . import triton_cascade, triton_decode, triton_dequant, triton_quantize
+        _MODS = (triton_decode, triton_cascade, triton_quantize, triton_dequant)
+    return _MODS
+
+
+_FIXED = False
+
+
+def _fix_interpreter() -> None:
+    """Triton 3.6's interpreter turns scalar tensors into ints with int(ndarray), which numpy >= 2.4
+    refuses for its 1-element arrays (loop bounds read from memory). Patch that one conversion."""
+    global _FIXED
+    if _FIXED:
+        return
+    import numpy as np
+    from triton.runtime import interpreter as it
+
+    orig = getattr(it, "_patch_lang_tensor", None)
+    if orig is None:
+        return
+
+    def patched(tensor, scope):
+        orig(tensor, scope)
+        scope.set_attr(tensor, "__index__",
+                       lambda self: int(np.asarray(self.handle.data).reshape(-1)[0]))
+
+    it._patch_lang_tensor = patched
+    _FIXED = True
+
+
+def _prep_q(q: torch.Tensor, k_codec, k_innerq, hkv: int) -> torch.Tensor:
+    """q [B, Hq, n_q, D] -> float32 [B, Hkv, group*n_q, D] in K's storage domain (q / s, rotated
+    once when K is turbo)."""
+    B, Hq, n_q, D = q.shape
+    qf = ref._innerq_q(q.float(), k_innerq)
+    if getattr(k_codec, "rotated", False):
+        qf = k_codec.rotate(qf)
+    return qf.reshape(B, hkv, (Hq // hkv) * n_q, D).contiguous()
+
+
+def _finish(out: torch.Tensor, v_codec) -> torch.Tensor:
+    """Output from V's storage domain back to true space (inverse rotation once)."""
+    return v_codec.unrotate(out) if getattr(v_codec, "rotated", False) else out
+
+
+def attention_decode(q: torch.Tensor, k: Packed, v: Packed, k_codec, v_codec, *,
+                     kv_lens: torch.Tensor | None = None, causal: bool = True,
+                     sm_scale: float | None = None, window: int | None = None,
+                     k_innerq: torch.Tensor | None = None, **tune):
+    """Attention of q [B, Hq, n_q, D] over packed K/V (leading [B, Hkv, S_cap]).
+    Returns out [B, Hq, n_q, D] (q.dtype) and lse float32 [B, Hq, n_q]. See reference.py."""
+    if not use_triton(q, k.codes, v.codes):
+        return ref.attention_decode_ref(q, k, v, k_codec, v_codec, kv_lens=kv_lens, causal=causal,
+                                        sm_scale=sm_scale, window=window, k_innerq=k_innerq)
+    dec = _k()[0]
+    B, Hq, n_q, D = q.shape
+    kc, vc = as_codec(k_codec, D), as_codec(v_codec, D)
+    hkv, S = k.codes.shape[1], k.codes.shape[2]
+    if Hq % hkv:
+        raise ValueError(f"Hq={Hq} is not a multiple of Hkv={hkv}")
+    sm_scale = 1.0 / math.sqrt(D) if sm_scale is None else float(sm_scale)
+    lens = (torch.full((B,), S, dtype=torch.int32, device=q.device) if kv_lens is None
+            else kv_lens.to(device=q.device, dtype=torch.int32).contiguous())
+    qp = _prep_q(q, kc, k_innerq, hkv)
+    out, lse = dec.decode_prepared(qp, n_q, k, v, kc, vc, lens, causal=causal, window=window,
+                                   sm_scale=sm_scale, **tune)
+    out = _finish(out.reshape(B, Hq, n_q, D), vc).to(q.dtype)
+    return out, lse.reshape(B, Hq, n_q)
+
+
+def cascade_attention(q: torch.Tensor, prefix_k: Packed, prefix_v: Packed, suffix_k: Packed,
+                      suffix_v: Packed, suffix_lens: torch.Tensor, k_codec, v_codec, *,
+                      sm_scale: float | None = None, k_innerq: torch.Tensor | None = None, **tune):
+    """q [N, Hq, n_q, D]: every agent sees the whole shared prefix (Packed leading [1, Hkv, P]) and
+    its own suffix (Packed leading [N, Hkv, S_cap], suffix_lens [N], causal; 0 is legal).
+    Returns out [N, Hq, n_q, D] (q.dtype), lse float32 [N, Hq, n_q]."""
+    if not use_triton(q, prefix_k.codes, suffix_k.codes):
+        return ref.cascade_attention_ref(q, prefix_k, prefix_v, suffix_k, suffix_v, suffix_lens,
+                                         k_codec, v_codec, sm_scale=sm_scale, k_innerq=k_innerq)
+    cas = _k()[1]
+    N, Hq, n_q, D = q.shape
+    kc, vc = as_codec(k_codec, D), as_codec(v_codec, D)
+    hkv = prefix_k.codes.shape[1]
+    sm_scale = 1.0 / math.sqrt(D) if sm_scale is None else float(sm_scale)
+    qp = _prep_q(q, kc, k_innerq, hkv)
+    out, lse = cas.cascade_prepared(qp, n_q, prefix_k, prefix_v, suffix_k, suffix_v,
+                                    suffix_lens.to(device=q.device), kc, vc, sm_scale=sm_scale,
+                                    **tune)
+    out = _finish(out.reshape(N, Hq, n_q, D), vc).to(q.dtype)
+    return out, lse.reshape(N, Hq, n_q)
+
+
+def merge_attention(out_a: torch.Tensor, lse_a: torch.Tensor, out_b: torch.Tensor,
+                    lse_b: torch.Tensor):
+    """LSE merge of two partial attentions over disjoint keys (-inf on either side is fine)."""
+    if not use_triton(out_a, out_b):
+        return ref.merge_attention_ref(out_a, lse_a, out_b, lse_b)
+    return _k()[1].merge_triton(out_a, lse_a, out_b, lse_b)
+
+
+def _positions(positions, B: int, T: int, device) -> torch.Tensor:
+    if isinstance(positions, int):
+        positions = torch.full((B,), positions, dtype=torch.int64)
+    positions = torch.as_tensor(positions, device=device).to(torch.int64)
+    if positions.dim() == 1:
+        positions = positions[:, None] + torch.arange(T, device=device)[None, :]
+    return positions.reshape(B, T)
+
+
+def quantize_into(dst: Packed, x: torch.Tensor, codec, positions, *,
+                  innerq: torch.Tensor | None = None) -> None:
+    """Encode x [B, Hkv, T, D] and write row (b, h, t) to dst (Packed leading [B, Hkv, S_cap]) at
+    sequence position positions[b, t]; positions: int start for all, int [B] starts, or [B, T].
+    innerq s [Hkv, D]: rows are stored as x * s."""
+    B, H, T, D = x.shape
+    codec = as_codec(codec, D)
+    pos = _positions(positions, B, T, x.device)
+    if use_triton(x, dst.codes):
+        _k()[2].quantize_into_triton(dst, x, codec, pos, innerq)
+        return
+    pk = ref.quantize_ref(x, codec, innerq)
+    bi = torch.arange(B, device=x.device)[:, None].expand(B, T)
+    dst.codes[bi, :, pos] = pk.codes.permute(0, 2, 1, 3).to(dst.codes.dtype)
+    if dst.scales is not None:
+        dst.scales[bi, :, pos] = pk.scales.permute(0, 2, 1, 3)
+
+
+def dequantize(p: Packed, codec, dtype: torch.dtype = torch.float16, *,
+               rotated: bool = False) -> torch.Tensor:
+    """Packed -> dense [..., D] in dtype (true space; storage domain when rotated=True)."""
+    if use_triton(p.codes):
+        return _k()[3].dequantize_triton(p, codec, dtype, rotated)
+    return ref.dequantize_ref(p, codec, dtype, rotated=rotated)

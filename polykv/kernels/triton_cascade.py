@@ -1,0 +1,73 @@
+"""Cascade attention: N agents over one shared compressed prefix plus private suffixes.
+
+Prefix pass: every agent's queries of one KV head group become rows of a single tile
+(N * group * n_q rows, in row tiles of up to 128), so each prefix K/V tile is read from memory once
+per row tile per step, not once per agent. Suffix pass: the decode kernel with per-agent lengths
+(causal). The two partial results are merged by log-sum-exp (`_merge_kernel`).
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from ..codecs import Packed
+from .triton_decode import decode_prepared
+
+
+@triton.jit
+def _merge_kernel(OA, LA, OB, LB, OUT, LSE, D: tl.constexpr):
+    r = tl.program_id(0).to(tl.int64)
+    la = tl.load(LA + r)
+    lb = tl.load(LB + r)
+    m = tl.maximum(la, lb)
+    ms = tl.where(m == float("-inf"), 0.0, m)
+    wa = tl.exp(la - ms)
+    wb = tl.exp(lb - ms)
+    tot = wa + wb
+    den = tl.where(tot > 0, tot, 1.0)
+    d = tl.arange(0, D)
+    oa = tl.load(OA + r * D + d).to(tl.float32)
+    ob = tl.load(OB + r * D + d).to(tl.float32)
+    out = (oa * wa + ob * wb) / den
+    tl.store(OUT + r * D + d, out.to(OUT.dtype.element_ty))
+    tl.store(LSE + r, tl.where(tot > 0, ms + tl.log(den), float("-inf")))
+
+
+def merge_triton(out_a, lse_a, out_b, lse_b, out_dtype=None):
+    """LSE merge of two partial attentions [..., D] / [...]."""
+    D = out_a.shape[-1]
+    oa = out_a.contiguous()
+    ob = out_b.contiguous()
+    la = lse_a.float().contiguous()
+    lb = lse_b.float().contiguous()
+    out = torch.empty(out_a.shape, dtype=out_dtype or out_a.dtype, device=out_a.device)
+    lse = torch.empty(lse_a.shape, dtype=torch.float32, device=out_a.device)
+    R = la.numel()
+    if R:
+        _merge_kernel[(R,)](oa, la, ob, lb, out, lse, D=D)
+    return out, lse
+
+
+def cascade_prepared(qp: torch.Tensor, n_q: int, prefix_k: Packed, prefix_v: Packed,
+                     suffix_k: Packed, suffix_v: Packed, suffix_lens: torch.Tensor, k_codec,
+                     v_codec, *, sm_scale: float, prefix_block_m: int = 128, **kw):
+    """qp float32 [N, Hkv, M, D] in K's storage domain. Returns (out, lse) float32
+    [N, Hkv, M, D] (V storage domain) / [N, Hkv, M]."""
+    N, Hkv, M, D = qp.shape
+    P = prefix_k.codes.shape[2]
+    # all agents' rows of a KV head side by side: [1, Hkv, N*M, D]
+    qc = qp.permute(1, 0, 2, 3).reshape(1, Hkv, N * M, D).contiguous()
+    plen = torch.full((1,), P, dtype=torch.int32, device=qp.device)
+    out_p, lse_p = decode_prepared(qc, n_q, prefix_k, prefix_v, k_codec, v_codec, plen,
+                                   causal=False, window=None, sm_scale=sm_scale,
+                                   block_m_max=prefix_block_m, **kw)
+    out_p = out_p.reshape(Hkv, N, M, D).permute(1, 0, 2, 3)
+    lse_p = lse_p.reshape(Hkv, N, M).permute(1, 0, 2)
+    if suffix_k.codes.shape[2] == 0:
+        return out_p.contiguous(), lse_p.contiguous()
+    out_s, lse_s = decode_prepared(qp, n_q, suffix_k, suffix_v, k_codec, v_codec,
+                                   suffix_lens.to(torch.int32).contiguous(), causal=True,
+                                   window=None, sm_scale=sm_scale, **kw)
+    return merge_triton(out_p, lse_p, out_s, lse_s, torch.float32)

@@ -1,0 +1,108 @@
+"""Triton device helpers that read the packed KV formats of polykv.codecs (DESIGN §3).
+
+Sub-column decomposition (used by the attention kernels): a row of D values is read as PER
+sub-tensors of C = D / PER columns, value d = PER * c + k living in sub-tensor k at column c. Every
+byte is then loaded exactly once per tile and each sub-tensor is a plain shift/mask of it:
+
+    kind     PER  byte of column c                                  value k
+    raw        1  the f16/bf16 value itself                         -
+    q8_0       1  int8 at c                                         q * scale[c // 32]
+    q4_0       2  byte c                                            ((b >> 4k) & 15) - 8) * scale[c // 16]
+    turbo8     1  byte c                                            cent[b] * norm[c // G]
+    turbo4     2  byte c                                            cent[(b >> 4k) & 15] * norm[c // (G/2)]
+    turbo2     4  byte c                                            cent[(b >> 2k) & 3] * norm[c // (G/4)]
+    turbo3     4  lo = byte g*GB + j (j = c % (G/4), g = c // (G/4))  lo 2 bits (lo >> 2k) & 3,
+                  hi = byte g*GB + G/4 + j // 2                     hi bit (hi >> (4*(j%2) + k)) & 1
+The attention kernels load q (and store the output) in the same decomposition, so no reordering of
+the decoded tile is ever needed.
+"""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+from ..codecs import Codec
+from ..codecs.blockq import Q4_0, Q8_0
+from ..codecs.raw import RawCodec
+from ..codecs.turbo import TurboCodec
+
+KIND_RAW, KIND_Q8, KIND_Q4, KIND_TURBO = 0, 1, 2, 3
+
+
+def codec_meta(codec: Codec) -> dict:
+    """Compile-time description of a codec for the kernels."""
+    if isinstance(codec, RawCodec):
+        return dict(KIND=KIND_RAW, BITS=16, G=codec.head_dim, PER=1)
+    if isinstance(codec, Q8_0):
+        return dict(KIND=KIND_Q8, BITS=8, G=32, PER=1)
+    if isinstance(codec, Q4_0):
+        return dict(KIND=KIND_Q4, BITS=4, G=32, PER=2)
+    if isinstance(codec, TurboCodec):
+        per = {8: 1, 4: 2, 3: 4, 2: 4}[codec.bits]
+        return dict(KIND=KIND_TURBO, BITS=codec.bits, G=codec.group, PER=per)
+    raise TypeError(f"no kernel support for codec {codec!r}")
+
+
+@triton.jit
+def load_tile(codes_ptr, scales_ptr, row_off, srow_off, nmask, C: tl.constexpr,
+              KIND: tl.constexpr, BITS: tl.constexpr, G: tl.constexpr):
+    """Load the bytes of a [BN, C] tile (sub-column layout) and the per-column scale/norm.
+
+    row_off / srow_off: int64 [BN] element offsets of each row in codes / scales.
+    Returns (b0, b1, sc): b0 int32 (or float for raw) [BN, C], b1 int32 [BN, C] (turbo3 high-bit
+    bytes, else b0), sc float32 [BN, C] (1 for raw)."""
+    c = tl.arange(0, C)
+    m2 = nmask[:, None]
+    if KIND == 0:
+        b0 = tl.load(codes_ptr + row_off[:, None] + c[None, :], mask=m2, other=0.0)
+        return b0, b0, b0.to(tl.float32)
+    if KIND == 1:
+        b0 = tl.load(codes_ptr + row_off[:, None] + c[None, :], mask=m2, other=0).to(tl.int32)
+        sc = tl.load(scales_ptr + srow_off[:, None] + (c // 32)[None, :], mask=m2, other=0.0)
+        return b0, b0, sc.to(tl.float32)
+    if KIND == 2:
+        b0 = tl.load(codes_ptr + row_off[:, None] + c[None, :], mask=m2, other=0).to(tl.int32)
+        sc = tl.load(scales_ptr + srow_off[:, None] + (c // 16)[None, :], mask=m2, other=0.0)
+        return b0, b0, sc.to(tl.float32)
+    # turbo
+    if BITS == 3:
+        GB: tl.constexpr = G * 3 // 8
+        Q4: tl.constexpr = G // 4
+        g = c // Q4
+        j = c % Q4
+        lo_off = g * GB + j
+        hi_off = g * GB + Q4 + j // 2
+        b0 = tl.load(codes_ptr + row_off[:, None] + lo_off[None, :], mask=m2, other=0).to(tl.int32)
+        b1 = tl.load(codes_ptr + row_off[:, None] + hi_off[None, :], mask=m2, other=0).to(tl.int32)
+        sc = tl.load(scales_ptr + srow_off[:, None] + g[None, :], mask=m2, other=0.0)
+        return b0, b1, sc.to(tl.float32)
+    CPG: tl.constexpr = G * BITS // 8  # columns (bytes) per group
+    b0 = tl.load(codes_ptr + row_off[:, None] + c[None, :], mask=m2, other=0).to(tl.int32)
+    sc = tl.load(scales_ptr + srow_off[:, None] + (c // CPG)[None, :], mask=m2, other=0.0)
+    return b0, b0, sc.to(tl.float32)
+
+
+@triton.jit
+def sub_values(b0, b1, sc, cent_ptr, K: tl.constexpr, C: tl.constexpr, KIND: tl.constexpr,
+               BITS: tl.constexpr, G: tl.constexpr):
+    """Float32 values [BN, C] of sub-tensor K of a tile loaded by load_tile."""
+    if KIND == 0:
+        return b0.to(tl.float32)
+    if KIND == 1:
+        return b0.to(tl.float32) * sc
+    if KIND == 2:
+        q = ((b0 >> (4 * K)) & 15) - 8
+        return q.to(tl.float32) * sc
+    if BITS == 8:
+        idx = b0
+    elif BITS == 4:
+        idx = (b0 >> (4 * K)) & 15
+    elif BITS == 2:
+        idx = (b0 >> (2 * K)) & 3
+    else:
+        Q4: tl.constexpr = G // 4
+        c = tl.arange(0, C)
+        hs = 4 * ((c % Q4) % 2) + K
+        idx = ((b0 >> (2 * K)) & 3) | (((b1 >> hs[None, :]) & 1) << 2)
+    return tl.load(cent_ptr + idx) * sc

@@ -1,0 +1,163 @@
+"""Quantize-on-write: encode K/V rows and scatter them into preallocated packed cache storage.
+
+x [B, Hkv, T, D] is written to dst rows (b, h, positions[b, t]). Bit-exact with the torch codecs for
+f16/bf16, q8_0 and q4_0 (IEEE divisions via div_rn, round-half-even done by hand, FMA contraction
+off). turbo: the rotation (fp32 dot, IEEE) and the norm sum in a different order than torch, so u
+can differ by a few ulps; an index then differs only when u sits within those ulps of a Lloyd-Max
+boundary (neighbouring index), and the fp16 corrected norm by at most one ulp. tests/kernels
+bounds both.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import triton
+import triton.language as tl
+
+from ..codecs import Packed, rotation_matrix
+from .triton_codec import codec_meta
+
+
+@triton.jit
+def _pack(idx, BT: tl.constexpr, L: tl.constexpr, BITS: tl.constexpr):
+    """int32 indices [BT, L] (values < 2**BITS) -> packed byte values int32 [BT, L*BITS/8]."""
+    PB: tl.constexpr = 8 // BITS
+    v = tl.reshape(idx, [BT, L // PB, PB])
+    sh = tl.arange(0, PB) * BITS
+    return tl.sum(v << sh[None, None, :], 2)
+
+
+@triton.jit
+def _rne(x):
+    """Round half to even (torch.round)."""
+    fl = tl.floor(x)
+    diff = x - fl
+    odd = (fl - 2.0 * tl.floor(fl * 0.5)) != 0.0
+    up = (diff > 0.5) | ((diff == 0.5) & odd)
+    return tl.where(up, fl + 1.0, fl)
+
+
+@triton.jit
+def _quantize_kernel(X, POS, SCL, CODES, SCALES, ROT, CENT, BOUNDS,
+                     sxb, sxh, sxt, scb, sch, scs, ssb, ssh, sss,
+                     HKV, T, sqrt_g,
+                     D: tl.constexpr, BLOCK_T: tl.constexpr, KIND: tl.constexpr,
+                     BITS: tl.constexpr, G: tl.constexpr, HAS_S: tl.constexpr):
+    pid_bh = tl.program_id(0)
+    pid_t = tl.program_id(1)
+    b = pid_bh // HKV
+    h = pid_bh % HKV
+    t = pid_t * BLOCK_T + tl.arange(0, BLOCK_T)
+    tmask = t < T
+    pos = tl.load(POS + b.to(tl.int64) * T + t, mask=tmask, other=0).to(tl.int64)
+    xrow = b.to(tl.int64) * sxb + h.to(tl.int64) * sxh + t.to(tl.int64) * sxt
+    crow = b.to(tl.int64) * scb + h.to(tl.int64) * sch + pos * scs
+    srow = b.to(tl.int64) * ssb + h.to(tl.int64) * ssh + pos * sss
+    m2 = tmask[:, None]
+
+    if KIND == 3:
+        NG: tl.constexpr = D // G
+        GB: tl.constexpr = G * BITS // 8
+        i = tl.arange(0, G)
+        rot = tl.load(ROT + i[:, None] * G + i[None, :])
+        for g in tl.static_range(NG):
+            xg = tl.load(X + xrow[:, None] + (g * G + i)[None, :], mask=m2, other=0.0)
+            xg = xg.to(tl.float32)
+            if HAS_S:
+                xg = xg * tl.load(SCL + h * D + g * G + i)[None, :]
+            y = tl.dot(xg, rot, input_precision="ieee")
+            norm = tl.sqrt(tl.sum(xg * xg, 1))
+            safe = tl.where(norm > 0, norm, 1.0)
+            scl = tl.math.div_rn(tl.full([BLOCK_T], 1.0, tl.float32), safe) * sqrt_g
+            u = y * scl[:, None]
+            idx = tl.zeros([BLOCK_T, G], tl.int32)
+            # binary search: idx = #(bounds < u)  (torch.bucketize, right=False)
+            for _k in tl.static_range(BITS):
+                bnd = tl.load(BOUNDS + idx + ((1 << (BITS - 1 - _k)) - 1))
+                idx = tl.where(bnd < u, idx + (1 << (BITS - 1 - _k)), idx)
+            c = tl.load(CENT + idx)
+            cn = tl.sqrt(tl.sum(c * c, 1))
+            corr = tl.where(norm > 0, tl.math.div_rn(norm, tl.where(cn > 0, cn, 1.0)), 0.0)
+            tl.store(SCALES + srow + g, corr.to(tl.float16), mask=tmask)
+            if BITS == 8:
+                tl.store(CODES + crow[:, None] + (g * GB + i)[None, :], idx.to(tl.uint8), mask=m2)
+            elif BITS == 3:
+                lo = _pack(idx & 3, BLOCK_T, G, 2)
+                hi = _pack(idx >> 2, BLOCK_T, G, 1)
+                jl = tl.arange(0, G // 4)
+                jh = tl.arange(0, G // 8)
+                tl.store(CODES + crow[:, None] + (g * GB + jl)[None, :], lo.to(tl.uint8), mask=m2)
+                tl.store(CODES + crow[:, None] + (g * GB + G // 4 + jh)[None, :], hi.to(tl.uint8),
+                         mask=m2)
+            else:
+                pk = _pack(idx, BLOCK_T, G, BITS)
+                j = tl.arange(0, GB)
+                tl.store(CODES + crow[:, None] + (g * GB + j)[None, :], pk.to(tl.uint8), mask=m2)
+    else:
+        d = tl.arange(0, D)
+        x = tl.load(X + xrow[:, None] + d[None, :], mask=m2, other=0.0).to(tl.float32)
+        if HAS_S:
+            x = x * tl.load(SCL + h * D + d)[None, :]
+        if KIND == 0:
+            tl.store(CODES + crow[:, None] + d[None, :], x.to(CODES.dtype.element_ty), mask=m2)
+        else:
+            NB: tl.constexpr = D // 32
+            x3 = tl.reshape(x, [BLOCK_T, NB, 32])
+            jb = tl.arange(0, NB)
+            if KIND == 1:
+                amax = tl.max(tl.abs(x3), 2)
+                d16 = tl.math.div_rn(amax, tl.full([BLOCK_T, NB], 127.0, tl.float32))
+                d16 = d16.to(tl.float16)
+                df = d16.to(tl.float32)
+                inv = tl.where(df > 0, tl.math.div_rn(tl.full([BLOCK_T, NB], 1.0, tl.float32),
+                                                      tl.where(df > 0, df, 1.0)), 0.0)
+                q = _rne(x3 * inv[:, :, None])
+                q = tl.minimum(tl.maximum(q, -127.0), 127.0).to(tl.int32).to(tl.int8)
+                tl.store(CODES + crow[:, None] + d[None, :], tl.reshape(q, [BLOCK_T, D]), mask=m2)
+            else:
+                ax = tl.abs(x3)
+                pos_m = tl.argmax(ax, 2, tie_break_left=True)
+                col = tl.arange(0, 32)
+                m = tl.sum(tl.where(col[None, None, :] == pos_m[:, :, None], x3, 0.0), 2)
+                d16 = (m * -0.125).to(tl.float16)
+                df = d16.to(tl.float32)
+                inv = tl.where(df != 0, tl.math.div_rn(tl.full([BLOCK_T, NB], 1.0, tl.float32),
+                                                       tl.where(df != 0, df, 1.0)), 0.0)
+                q = tl.floor(x3 * inv[:, :, None] + 8.5)
+                q = tl.minimum(tl.maximum(q, 0.0), 15.0).to(tl.int32)
+                pk = _pack(tl.reshape(q, [BLOCK_T, D]), BLOCK_T, D, 4)
+                j = tl.arange(0, D // 2)
+                tl.store(CODES + crow[:, None] + j[None, :], pk.to(tl.uint8), mask=m2)
+            tl.store(SCALES + srow[:, None] + jb[None, :], d16, mask=m2)
+
+
+def quantize_into_triton(dst: Packed, x: torch.Tensor, codec, positions: torch.Tensor,
+                         innerq: torch.Tensor | None = None, block_t: int = 16) -> None:
+    """x [B, Hkv, T, D]; positions int [B, T]; dst Packed leading [B, Hkv, S_cap]."""
+    B, Hkv, T, D = x.shape
+    meta = codec_meta(codec)
+    dev = x.device
+    pos = positions.to(device=dev, dtype=torch.int64).contiguous()
+    c = dst.codes
+    s = dst.scales if dst.scales is not None else dst.codes
+    if c.stride(-1) != 1 or s.stride(-1) != 1:
+        raise ValueError("dst must be contiguous in the last dim")
+    if x.stride(-1) != 1:
+        x = x.contiguous()
+    dummy = torch.zeros(1, dtype=torch.float32, device=dev)
+    if meta["KIND"] == 3:
+        rot = rotation_matrix(meta["G"], dev).contiguous()
+        cent, bounds = codec.tables(dev)
+    else:
+        rot = cent = bounds = dummy
+    scl = innerq.to(device=dev, dtype=torch.float32).contiguous() if innerq is not None else dummy
+    grid = (B * Hkv, triton.cdiv(T, block_t))
+    _quantize_kernel[grid](
+        x, pos, scl, c, s, rot, cent, bounds,
+        x.stride(0), x.stride(1), x.stride(2), c.stride(0), c.stride(1), c.stride(2),
+        s.stride(0), s.stride(1), s.stride(2),
+        Hkv, T, float(math.sqrt(meta["G"])),
+        D=D, BLOCK_T=block_t, KIND=meta["KIND"], BITS=meta["BITS"], G=meta["G"],
+        HAS_S=innerq is not None, num_warps=4, enable_fp_fusion=False)

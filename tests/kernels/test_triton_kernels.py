@@ -1,0 +1,166 @@
+"""Triton kernels vs reference.py on the same packed data, through the Triton interpreter on CPU
+(POLYKV_TRITON_ON_CPU=1; small shapes). On a CUDA machine polykv/bench/gpu_suite.py does the same
+at full size."""
+
+import pytest
+import torch
+
+from polykv.codecs import CODEC_NAMES, Packed, get_codec
+from polykv.kernels import (attention_decode, attention_decode_ref, cascade_attention,
+                            cascade_attention_ref, dequantize, dequantize_ref, merge_attention,
+                            merge_attention_ref, quantize_into, quantize_ref, triton_available,
+                            use_triton)
+
+pytestmark = pytest.mark.skipif(not triton_available(), reason="triton not installed")
+
+
+@pytest.fixture(autouse=True)
+def _interpreter(monkeypatch):
+    monkeypatch.setenv("POLYKV_TRITON_ON_CPU", "1")
+    monkeypatch.delenv("POLYKV_FORCE_REFERENCE", raising=False)
+    assert use_triton(torch.zeros(1))
+
+
+def rel(a, b):
+    a, b = a.double(), b.double()
+    return float((a - b).norm() / b.norm().clamp_min(1e-30))
+
+
+def lse_ok(a, b):
+    fin = torch.isfinite(b)
+    return torch.equal(fin, torch.isfinite(a)) and (a[fin] - b[fin]).abs().max().item() < 1e-2
+
+
+DECODE_CASES = [
+    # kn, vn, D, group, n_q, S, lens
+    ("q8_0", "turbo3", 128, 4, 1, 77, [77, 30]),
+    ("turbo4", "turbo3", 128, 8, 1, 50, [50, 1]),
+    ("turbo3", "turbo3", 64, 1, 2, 33, [33, 17]),
+    ("f16", "q4_0", 256, 4, 1, 19, [19, 5]),
+    ("q4_0", "turbo2", 64, 4, 3, 41, [40, 41]),
+    ("turbo8", "q8_0", 256, 1, 1, 23, [23, 23]),
+    ("turbo2", "turbo8", 64, 8, 1, 29, [29, 3]),
+    ("bf16", "turbo4", 64, 4, 2, 21, [21, 9]),
+    ("q8_0", "f16", 512, 2, 1, 9, [9, 4]),
+]
+
+
+@pytest.mark.parametrize("kn,vn,D,group,n_q,S,lens", DECODE_CASES)
+def test_decode_matches_reference(kn, vn, D, group, n_q, S, lens):
+    torch.manual_seed(D + S)
+    B, Hkv = 2, 2
+    kc, vc = get_codec(kn, D), get_codec(vn, D)
+    k = kc.encode(torch.randn(B, Hkv, S, D))
+    v = vc.encode(torch.randn(B, Hkv, S, D))
+    q = torch.randn(B, Hkv * group, n_q, D, dtype=torch.float16)
+    kv = torch.tensor(lens, dtype=torch.int32)
+    out, lse = attention_decode(q, k, v, kc, vc, kv_lens=kv)
+    o2, l2 = attention_decode_ref(q, k, v, kc, vc, kv_lens=kv)
+    assert out.dtype == q.dtype and out.shape == q.shape
+    assert rel(out, o2) <= 1e-2 and lse_ok(lse, l2)
+
+
+def test_decode_window_innerq_noncausal_and_empty():
+    torch.manual_seed(3)
+    B, Hkv, g, n, S, D = 2, 2, 4, 2, 37, 128
+    kc, vc = get_codec("turbo4", D), get_codec("turbo3", D)
+    s = torch.rand(Hkv, D) * 1.5 + 0.5
+    k = quantize_ref(torch.randn(B, Hkv, S, D), kc, innerq=s)
+    v = vc.encode(torch.randn(B, Hkv, S, D))
+    q = torch.randn(B, Hkv * g, n, D)
+    kv = torch.tensor([37, 0], dtype=torch.int32)  # second sequence: no visible key
+    for kw in (dict(window=5), dict(causal=False)):
+        out, lse = attention_decode(q, k, v, kc, vc, kv_lens=kv, k_innerq=s, **kw)
+        o2, l2 = attention_decode_ref(q, k, v, kc, vc, kv_lens=kv, k_innerq=s, **kw)
+        assert rel(out, o2) <= 1e-2 and lse_ok(lse, l2)
+        assert torch.all(out[1] == 0) and torch.isneginf(lse[1]).all()
+
+
+@pytest.mark.parametrize("kn,vn,D,group,lens", [
+    ("q8_0", "turbo3", 128, 4, [5, 0, 3]),
+    ("turbo4", "turbo3", 64, 8, [0, 0, 0]),
+    ("f16", "q4_0", 256, 1, [6, 2, 1]),
+])
+def test_cascade_matches_reference(kn, vn, D, group, lens):
+    torch.manual_seed(D)
+    N, Hkv, n, P, S = 3, 2, 1, 45, 6
+    kc, vc = get_codec(kn, D), get_codec(vn, D)
+    pk, pv = kc.encode(torch.randn(1, Hkv, P, D)), vc.encode(torch.randn(1, Hkv, P, D))
+    sk, sv = kc.encode(torch.randn(N, Hkv, S, D)), vc.encode(torch.randn(N, Hkv, S, D))
+    sl = torch.tensor(lens, dtype=torch.int32)
+    q = torch.randn(N, Hkv * group, n, D, dtype=torch.float16)
+    out, lse = cascade_attention(q, pk, pv, sk, sv, sl, kc, vc)
+    o2, l2 = cascade_attention_ref(q, pk, pv, sk, sv, sl, kc, vc)
+    assert rel(out, o2) <= 1e-2 and lse_ok(lse, l2)
+
+
+def test_merge_matches_reference():
+    torch.manual_seed(0)
+    oa, ob = torch.randn(2, 4, 3, 64), torch.randn(2, 4, 3, 64)
+    la, lb = torch.randn(2, 4, 3), torch.randn(2, 4, 3)
+    la[0, 0, 0] = float("-inf")
+    la[1, 1, 1] = lb[1, 1, 1] = float("-inf")
+    out, lse = merge_attention(oa, la, ob, lb)
+    o2, l2 = merge_attention_ref(oa, la, ob, lb)
+    assert torch.allclose(out, o2, atol=1e-5) and lse_ok(lse, l2)
+
+
+def _rows(dst: Packed, starts, T) -> Packed:
+    c = torch.stack([dst.codes[b, :, s:s + T] for b, s in enumerate(starts)])
+    s_ = None if dst.scales is None else torch.stack([dst.scales[b, :, s:s + T]
+                                                       for b, s in enumerate(starts)])
+    return Packed(c, s_)
+
+
+@pytest.mark.parametrize("name", CODEC_NAMES)
+@pytest.mark.parametrize("D", [64, 256])
+def test_quantize_into_matches_codec(name, D):
+    torch.manual_seed(D)
+    c = get_codec(name, D)
+    x = torch.randn(2, 2, 5, D) * 3
+    x[0, 0, 0] = 0.0  # an all-zero row (zero scale / norm)
+    ref = c.encode(x)
+    dst = c.empty((2, 2, 12))
+    quantize_into(dst, x, c, torch.tensor([3, 7]))
+    got = _rows(dst, [3, 7], 5)
+    if name == "bf16":  # the interpreter casts fp32 -> bf16 by truncation: at most one ulp
+        d = (got.codes.view(torch.int16).int() - ref.codes.view(torch.int16).int()).abs()
+        assert d.max() <= 1
+        return
+    if c.rotated:
+        # rotation / norm summed in another order: neighbouring index on a boundary tie at most
+        gi, ri = c.indices(got).int(), c.indices(ref).int()
+        assert (gi - ri).abs().max() <= 1 and (gi != ri).float().mean() <= 1e-3
+        assert torch.allclose(got.scales.float(), ref.scales.float(), rtol=1e-3, atol=0)
+    else:
+        assert torch.equal(got.codes, ref.codes)
+    if ref.scales is not None and not c.rotated:
+        assert torch.equal(got.scales, ref.scales)
+    # untouched rows stay zero
+    assert torch.all(dst.codes[0, :, :3] == 0) and torch.all(dst.codes[1, :, :7] == 0)
+
+
+def test_quantize_into_innerq_positions_2d():
+    c = get_codec("turbo3", 128)
+    s = torch.rand(2, 128) + 0.5
+    x = torch.randn(1, 2, 3, 128)
+    dst = c.empty((1, 2, 8))
+    quantize_into(dst, x, c, torch.tensor([[6, 1, 4]]), innerq=s)
+    ref = quantize_ref(x, c, innerq=s)
+    got = Packed(dst.codes[:, :, [6, 1, 4]], dst.scales[:, :, [6, 1, 4]])
+    assert (c.indices(got) != c.indices(ref)).float().mean() <= 1e-3
+
+
+@pytest.mark.parametrize("name", CODEC_NAMES)
+def test_dequantize_matches_reference(name):
+    torch.manual_seed(1)
+    for D in (64, 256):
+        c = get_codec(name, D)
+        p = c.encode(torch.randn(3, 7, D))
+        for dt in (torch.float16, torch.float32):
+            got = dequantize(p, c, dt)
+            assert got.shape == (3, 7, D) and got.dtype == dt
+            assert rel(got, dequantize_ref(p, c, dt)) <= 1e-3
+        if c.rotated:
+            assert rel(dequantize(p, c, torch.float32, rotated=True),
+                       c.decode_rotated(p)) <= 1e-6
