@@ -1,0 +1,187 @@
+"""AgentBatch: the low-level interface of N agents over one shared document.
+
+    batch = pool.open_batch(doc)          # holds a reference on the document until close()
+    aid = batch.add(prompt_ids)           # queue the agent's suffix tokens (prefilled at next step)
+    logits = batch.step()                 # {aid: float32 [vocab]} next-token logits, every live agent
+    batch.feed({aid: token_id, ...})      # queue one more token per agent
+    batch.remove(aid); len(batch); batch.close()
+
+Semantics
+* Every agent sees the whole document (the pool's shared compressed prefix, never copied) followed by
+  its own tokens; positions continue after the prefix (position = doc_len + suffix index).
+* `step()` runs the pending tokens of all agents in batched forwards: agents with exactly one pending
+  token (decode) in one forward, agents with several (prompt prefill) in another, left-padded to the
+  longest; different suffix lengths share one batch. Agents with nothing pending are not recomputed:
+  their previous logits are returned again.
+* Each agent's suffix K/V is private, compressed with the pool's codecs, in storage of leading shape
+  [batch_capacity, kv_heads, seq_capacity] per layer; removed agents' slots are reused (the last slot
+  is moved into the hole, so live agents always occupy slots 0..n-1).
+* A batch is not thread-safe by itself; use one batch per thread (the pool is thread-safe).
+"""
+
+from __future__ import annotations
+
+import itertools
+from dataclasses import dataclass, field
+
+import torch
+
+
+@dataclass
+class _Agent:
+    aid: int
+    slot: int
+    pending: list[int] = field(default_factory=list)
+    tokens: list[int] = field(default_factory=list)  # suffix tokens processed so far
+    logits: torch.Tensor | None = None
+
+
+class AgentBatch:
+    """See module doc. Created by `SharedKVPool.open_batch`; usable as a context manager."""
+
+    def __init__(self, pool, doc, capacity: int | None = None, seq_capacity: int | None = None,
+                 backend: str = "auto"):
+        from .agent_cache import AgentCache
+
+        self.pool = pool
+        self.doc = doc
+        self.doc_id = doc.id
+        self.cache = AgentCache(doc.layers, doc.prefix_start, doc.length, pool._windows,
+                                batch_capacity=capacity or 4, seq_capacity=seq_capacity or 0,
+                                backend=backend)
+        self._agents: dict[int, _Agent] = {}
+        self._slots: list[int] = []  # slot -> aid
+        self._ids = itertools.count()
+        self._closed = False
+        self.peak_bytes = self.cache.nbytes()
+
+    # --- agents ------------------------------------------------------------------------------
+    def add(self, prompt_ids: list[int]) -> int:
+        """Add an agent whose suffix is `prompt_ids` (token ids after the document; at least one).
+        The suffix is prefilled at the next `step()` (batched with other new agents)."""
+        self._check_open()
+        ids = [int(t) for t in prompt_ids]
+        if not ids:
+            raise ValueError("an agent needs at least one suffix token")
+        aid = next(self._ids)
+        slot = len(self._slots)
+        if slot >= self.cache.batch_capacity:
+            self.cache.reserve(max(2 * self.cache.batch_capacity, slot + 1), self.cache.seq_capacity)
+        self.cache.clear_slot(slot)
+        self._slots.append(aid)
+        self._agents[aid] = _Agent(aid, slot, pending=ids)
+        return aid
+
+    def feed(self, tokens: dict[int, int]) -> None:
+        """Queue one token per agent ({aid: token_id}) for the next step."""
+        for aid, t in tokens.items():
+            self._get(aid).pending.append(int(t))
+
+    def remove(self, aid: int) -> None:
+        """Drop an agent and free its suffix slot."""
+        a = self._agents.pop(aid)
+        last = len(self._slots) - 1
+        if a.slot != last:
+            moved = self._agents[self._slots[last]]
+            self.cache.move_slot(last, a.slot)
+            moved.slot = a.slot
+            self._slots[a.slot] = moved.aid
+        else:
+            self.cache.clear_slot(last)
+        self._slots.pop()
+
+    def __len__(self) -> int:
+        return len(self._agents)
+
+    def agents(self) -> list[int]:
+        return list(self._agents)
+
+    def tokens(self, aid: int) -> list[int]:
+        """Suffix tokens of agent `aid` processed so far (prompt + fed tokens)."""
+        return list(self._get(aid).tokens)
+
+    def suffix_length(self, aid: int) -> int:
+        return int(self.cache.lens[self._get(aid).slot])
+
+    def nbytes(self) -> int:
+        """Measured bytes of this batch's private suffix storage."""
+        return 0 if self._closed else self.cache.nbytes()
+
+    # --- compute -----------------------------------------------------------------------------
+    @torch.no_grad()
+    def step(self) -> dict[int, torch.Tensor]:
+        """Run all pending tokens; return {aid: float32 [vocab] next-token logits} for every live
+        agent (see module doc)."""
+        self._check_open()
+        todo = [a for a in self._agents.values() if a.pending]
+        for group in ([a for a in todo if len(a.pending) == 1], [a for a in todo if len(a.pending) > 1]):
+            if group:
+                self._forward(sorted(group, key=lambda a: a.slot))
+        self.peak_bytes = max(self.peak_bytes, self.cache.nbytes())
+        return {aid: a.logits for aid, a in self._agents.items() if a.logits is not None}
+
+    def _forward(self, group: list[_Agent]) -> None:
+        model = self.pool.model
+        counts = [len(a.pending) for a in group]
+        n_q = max(counts)
+        pad = self.pool._pad_id
+        ids = torch.full((len(group), n_q), pad, dtype=torch.long)
+        for g, a in enumerate(group):
+            ids[g, n_q - len(a.pending):] = torch.tensor(a.pending, dtype=torch.long)
+        cache = self.cache
+        cache.begin([a.slot for a in group], counts, n_q)
+        try:
+            dev = self.pool.device
+            out = model(input_ids=ids.to(dev), position_ids=cache.positions().to(dev),
+                        attention_mask=_mask(len(group), n_q, dev), past_key_values=cache,
+                        use_cache=True, logits_to_keep=1)
+        except BaseException:
+            cache.abort()
+            raise
+        cache.commit()
+        logits = out.logits[:, -1].float()
+        for g, a in enumerate(group):
+            a.tokens.extend(a.pending)
+            a.pending = []
+            a.logits = logits[g].cpu()
+
+    # --- lifecycle ---------------------------------------------------------------------------
+    def close(self) -> None:
+        """Free the suffix storage and release the document reference (idempotent)."""
+        if self._closed:
+            return
+        self._closed = True
+        self._agents.clear()
+        self._slots.clear()
+        self.cache = None
+        self.pool._release(self)
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+
+    def __del__(self):
+        try:
+            if not self._closed:
+                self.close()
+        except Exception:
+            pass
+
+    def _get(self, aid: int) -> _Agent:
+        self._check_open()
+        try:
+            return self._agents[aid]
+        except KeyError:
+            raise KeyError(f"no live agent {aid} in this batch") from None
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise RuntimeError("this AgentBatch is closed")
+
+
+def _mask(batch, q_len, device):
+    from .agent_cache import dummy_mask
+
+    return dummy_mask(batch, q_len, device)

@@ -1,0 +1,402 @@
+"""SharedKVPool: documents prefilled once, compressed once, shared by many agents.
+
+Lifecycle
+* `add_document` prefills the document in chunks through the model with a compressing cache and keeps
+  one compressed copy per layer (`CompressedLayer`, batch 1, compacted). Sliding-window layers keep
+  only the last window-1 rows (their absolute start position is recorded). The same token ids added
+  twice give the same document id (no second prefill).
+* Documents are refcounted: every open `AgentBatch` holds one reference. `budget_bytes` bounds the
+  shared (prefix) bytes: unreferenced documents are evicted least-recently-used first; a document in
+  use is never evicted. Evicted documents keep their token ids; using one again re-prefills it exactly
+  (with a `warnings.warn`).
+* All pool state is guarded by an RLock; forwards of different batches run outside the lock.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import threading
+import time
+import warnings
+import weakref
+from dataclasses import dataclass, field
+
+import torch
+
+from ..cache.accounting import storage_bytes
+from ..cache.layer import CompressedLayer
+from ..codecs import InnerQTable, check_codec_name, get_codec
+
+
+class PoolError(RuntimeError):
+    """Invalid pool operation (unknown document, document in use, ...)."""
+
+
+class DocumentInUseError(PoolError):
+    """The document is referenced by open agent batches."""
+
+
+class PoolFormatError(ValueError):
+    """A saved pool cannot be loaded: wrong format/version, model/tokenizer/codec mismatch,
+    corrupted or truncated files."""
+
+
+@dataclass
+class _Document:
+    id: str
+    name: str | None
+    ids: list[int]
+    chat: bool = False
+    tail: str = ""  # chat: text that closes the user turn after the agent's question
+    layers: list[CompressedLayer] | None = None
+    prefix_start: list[int] = field(default_factory=list)
+    refs: int = 0
+    last_used: float = 0.0
+    naive_f16_bytes: int = 0  # measured bytes of one real f16 DynamicCache of the document
+
+    @property
+    def length(self) -> int:
+        return len(self.ids)
+
+    @property
+    def resident(self) -> bool:
+        return self.layers is not None
+
+    def tensors(self) -> list[torch.Tensor]:
+        out = []
+        for l in self.layers or []:
+            for p in (l.k, l.v):
+                if p is not None:
+                    out += [p.codes] + ([p.scales] if p.scales is not None else [])
+        return out
+
+
+def ids_sha256(ids: list[int]) -> str:
+    return hashlib.sha256(torch.tensor(ids, dtype=torch.int64).numpy().tobytes()).hexdigest()
+
+
+class SharedKVPool:
+    """A pool of shared compressed documents for one model (see module doc and DESIGN §5).
+
+    model, tok: a transformers causal LM and its tokenizer (`polykv.load_model()`); the model's
+        attention is switched to the "polykv" implementation (which falls back to SDPA for any
+        forward without a polykv cache).
+    k, v: KV storage types (`polykv.codecs.CODEC_NAMES`), shared prefix and agent suffixes alike.
+    device: where the compressed KV lives (default: the model's device).
+    budget_bytes: bound on resident shared-prefix bytes (None: unbounded).
+    innerq: an `InnerQTable` or a path to one; used only when K is a turbo type.
+    prefill_chunk: tokens per prefill forward.
+    """
+
+    def __init__(self, model, tok, k: str = "q8_0", v: str = "turbo3", device=None,
+                 budget_bytes: int | None = None, innerq=None, prefill_chunk: int = 512,
+                 progress: bool | None = None):
+        from ..hf.attention import use_polykv_attention
+        from ..hf.loading import kv_layout
+
+        self.model, self.tok = model, tok
+        self.k_type, self.v_type = check_codec_name(k), check_codec_name(v)
+        self.device = torch.device(device) if device is not None else next(model.parameters()).device
+        self.budget_bytes = budget_bytes
+        self.prefill_chunk = int(prefill_chunk)
+        self.progress = progress
+        self.layout = kv_layout(model)
+        self._windows = [s.sliding_window for s in self.layout]
+        if innerq is not None and not isinstance(innerq, InnerQTable):
+            innerq = InnerQTable.load(innerq)
+        self.innerq = innerq if (innerq is not None and self.k_type.startswith("turbo")) else None
+        for s in self.layout:  # fail early on unsupported head_dim
+            get_codec(self.k_type, s.head_dim), get_codec(self.v_type, s.head_dim)
+        use_polykv_attention(model)
+        self._lock = threading.RLock()
+        self._docs: dict[str, _Document] = {}
+        self._batches: "weakref.WeakSet" = weakref.WeakSet()
+        pad = getattr(tok, "pad_token_id", None)
+        self._pad_id = int(pad) if pad is not None else 0
+        self.peak_agent_bytes = 0
+        self.last_generate: dict = {}
+
+    # --- documents ---------------------------------------------------------------------------
+    def add_document(self, text_or_ids, name: str | None = None,
+                     chat_template: bool | None = None) -> str:
+        """Prefill a document once and store its compressed KV; returns the document id.
+
+        text_or_ids: text, or token ids (list[int], used verbatim as the prefix; prompts are then
+            appended as plain tokens). Text with a tokenizer chat template (default chat_template=None
+            -> use it when available) becomes the start of the first user message: prefix = the
+            rendered template up to the document text + "\\n\\n"; each agent's question continues the
+            same user turn (`prompt_ids`).
+        """
+        from .prompting import chat_split
+
+        chat, tail = False, ""
+        if isinstance(text_or_ids, str):
+            use_chat = chat_template if chat_template is not None else bool(getattr(self.tok, "chat_template", None))
+            if use_chat:
+                prefix_text, tail = chat_split(self.tok, text_or_ids)
+                ids = self.tok(prefix_text, add_special_tokens=False)["input_ids"]
+                chat = True
+            else:
+                ids = self.tok(text_or_ids)["input_ids"]
+        else:
+            ids = [int(t) for t in (text_or_ids.tolist() if torch.is_tensor(text_or_ids) else text_or_ids)]
+        if not ids:
+            raise ValueError("empty document")
+        doc_id = "doc-" + ids_sha256(ids)[:16]
+        with self._lock:
+            doc = self._docs.get(doc_id)
+            if doc is None:
+                doc = _Document(doc_id, name, ids, chat, tail)
+                self._docs[doc_id] = doc
+            elif name and not doc.name:
+                doc.name = name
+            doc.last_used = time.monotonic()
+            if not doc.resident:
+                self._prefill(doc)
+                self._enforce_budget(keep=doc_id)
+        return doc_id
+
+    def remove_document(self, doc: str) -> None:
+        """Forget a document. Refuses (DocumentInUseError) while agent batches hold it."""
+        with self._lock:
+            d = self._doc(doc)
+            if d.refs:
+                raise DocumentInUseError(f"document {doc!r} is in use by {d.refs} open agent batch(es); "
+                                         f"close them before removing it")
+            del self._docs[doc]
+
+    def documents(self) -> list[dict]:
+        """[{id, name, tokens, bytes, refs, resident}] (bytes: measured compressed prefix bytes)."""
+        with self._lock:
+            return [dict(id=d.id, name=d.name, tokens=d.length, bytes=storage_bytes(d.tensors()),
+                         refs=d.refs, resident=d.resident) for d in self._docs.values()]
+
+    def evict(self, doc: str) -> None:
+        """Drop a document's KV now (keeps its token ids). Refuses while in use."""
+        with self._lock:
+            d = self._doc(doc)
+            if d.refs:
+                raise DocumentInUseError(f"document {doc!r} is in use; cannot evict it")
+            d.layers = None
+
+    def _doc(self, doc: str) -> _Document:
+        try:
+            return self._docs[doc]
+        except KeyError:
+            raise PoolError(f"unknown document {doc!r}; known: {sorted(self._docs)}") from None
+
+    def _enforce_budget(self, keep: str | None = None) -> None:
+        if self.budget_bytes is None:
+            return
+        while True:
+            resident = [d for d in self._docs.values() if d.resident]
+            total = storage_bytes([t for d in resident for t in d.tensors()])
+            if total <= self.budget_bytes:
+                return
+            victims = sorted((d for d in resident if d.refs == 0 and d.id != keep),
+                             key=lambda d: d.last_used)
+            if not victims:
+                warnings.warn(f"polykv pool: {total} resident bytes exceed budget_bytes="
+                              f"{self.budget_bytes}, but every other document is in use", stacklevel=3)
+                return
+            victims[0].layers = None
+
+    # --- prefill -----------------------------------------------------------------------------
+    def _new_layers(self, batch: int = 1) -> list[CompressedLayer]:
+        out = []
+        for s in self.layout:
+            scales = self.innerq.layer(s.index) if self.innerq is not None else None
+            out.append(CompressedLayer.for_types(self.k_type, self.v_type, s.head_dim, batch,
+                                                 s.num_kv_heads, self.device, scales))
+        return out
+
+    @torch.no_grad()
+    def _prefill(self, doc: _Document, measure_f16: bool = True) -> None:
+        from transformers import DynamicCache
+
+        from .agent_cache import PrefillCache, dummy_mask
+
+        layers = self._new_layers()
+        shadow = DynamicCache(config=self.model.config) if measure_f16 else None
+        cache = PrefillCache(layers, self._windows, shadow)
+        ids = torch.tensor(doc.ids, dtype=torch.long)
+        n, C = len(doc.ids), self.prefill_chunk
+        starts = range(0, n, C)
+        show = self.progress if self.progress is not None else n > 4 * C
+        if show:
+            from tqdm.auto import tqdm
+
+            starts = tqdm(starts, desc=f"prefill {doc.name or doc.id}", unit="chunk")
+        for a in starts:
+            b = min(n, a + C)
+            cache.begin_chunk(a)
+            chunk = ids[a:b][None].to(self.device)
+            self.model(input_ids=chunk, position_ids=torch.arange(a, b, device=self.device)[None],
+                       attention_mask=dummy_mask(1, b - a, self.device), past_key_values=cache,
+                       use_cache=True, logits_to_keep=1)
+            cache.end_chunk(b)
+        for l in layers:
+            l.compact()
+        doc.layers, doc.prefix_start = layers, list(cache.start_abs)
+        if shadow is not None:
+            doc.naive_f16_bytes = storage_bytes(
+                [t for lay in shadow.layers for t in (getattr(lay, "keys", None), getattr(lay, "values", None))
+                 if isinstance(t, torch.Tensor)])
+            del shadow
+
+    # --- agents ------------------------------------------------------------------------------
+    def open_batch(self, doc: str, capacity: int | None = None, seq_capacity: int | None = None,
+                   backend: str = "auto"):
+        """An `AgentBatch` over `doc` (holds a reference until closed). An evicted document is
+        re-prefilled from its token ids (warns). capacity / seq_capacity: initial agent slots and
+        suffix rows to allocate (grown on demand)."""
+        from .agents import AgentBatch
+
+        with self._lock:
+            d = self._doc(doc)
+            if not d.resident:
+                warnings.warn(f"polykv pool: document {doc!r} ({d.name or 'unnamed'}, {d.length} tokens) "
+                              f"was evicted; re-prefilling it", stacklevel=2)
+                self._prefill(d)
+            d.refs += 1
+            d.last_used = time.monotonic()
+            try:
+                batch = AgentBatch(self, d, capacity, seq_capacity, backend)
+            except BaseException:
+                d.refs -= 1
+                raise
+            self._batches.add(batch)
+            self._enforce_budget(keep=doc)
+            return batch
+
+    def _release(self, batch) -> None:
+        with self._lock:
+            self._batches.discard(batch)
+            d = self._docs.get(batch.doc_id)
+            if d is not None and d.refs > 0:
+                d.refs -= 1
+                d.last_used = time.monotonic()
+            self._enforce_budget()
+
+    def prompt_ids(self, doc: str, prompt, chat_template: bool = True) -> list[int]:
+        """Suffix token ids of one agent. Token-id prompts are used verbatim. Text prompts: for a
+        chat document (and chat_template=True) the question continues the user turn and the turn is
+        closed with the generation prompt (`doc tail`); otherwise the text is tokenized plainly
+        (no special tokens). The full prompt of an agent is always doc ids + these ids."""
+        if not isinstance(prompt, str):
+            return [int(t) for t in prompt]
+        d = self._doc(doc)
+        text = prompt + d.tail if (chat_template and d.chat) else prompt
+        return self.tok(text, add_special_tokens=False)["input_ids"]
+
+    def generate(self, doc: str, prompts, max_new_tokens: int = 64, temperature: float = 0.0,
+                 top_p: float = 1.0, top_k: int = 0, seed: int | None = None, stop=None,
+                 chat_template: bool = True) -> list[str]:
+        """Answer every prompt as one agent over `doc`; all agents run in one batched forward per
+        step. prompts: list[str] (see `prompt_ids`) or list[list[int]] (suffix ids). Greedy when
+        temperature == 0. Generation stops at the tokenizer/model EOS, at any `stop` string (cut
+        before it) or after max_new_tokens. Returns the decoded answers (special tokens skipped)."""
+        from .sampling import sample_next
+
+        if isinstance(prompts, str):
+            raise TypeError("prompts must be a list of prompts")
+        t0 = time.perf_counter()
+        suffixes = [self.prompt_ids(doc, p, chat_template) for p in prompts]
+        stops = [stop] if isinstance(stop, str) else list(stop or [])
+        eos = self._eos_ids()
+        gen = torch.Generator().manual_seed(int(seed)) if seed is not None else None
+        outs: dict[int, list[int]] = {}
+        steps = 0
+        peak = 0
+        if not suffixes:
+            return []
+        cap_seq = max(len(s) for s in suffixes) + max_new_tokens
+        with self.open_batch(doc, capacity=len(suffixes), seq_capacity=cap_seq) as batch:
+            aids = [batch.add(s) for s in suffixes]
+            outs = {a: [] for a in aids}
+            live = set(aids) if max_new_tokens > 0 else set()
+            while live:
+                logits = batch.step()
+                steps += 1
+                feed = {}
+                for a in aids:
+                    if a not in live:
+                        continue
+                    t = sample_next(logits[a], temperature, top_p, top_k, gen)
+                    if t in eos:
+                        done = True
+                    else:
+                        outs[a].append(t)
+                        done = len(outs[a]) >= max_new_tokens or (
+                            stops and any(s in self.tok.decode(outs[a], skip_special_tokens=True) for s in stops))
+                    if done:
+                        live.discard(a)
+                    else:
+                        feed[a] = t
+                self.peak_agent_bytes = max(self.peak_agent_bytes, batch.nbytes())
+                peak = batch.peak_bytes
+                for a in [a for a in aids if a not in live and a in batch.agents()]:
+                    batch.remove(a)
+                batch.feed(feed)
+        texts = []
+        for a in aids:
+            s = self.tok.decode(outs[a], skip_special_tokens=True)
+            for st in stops:
+                if st in s:
+                    s = s[: s.index(st)]
+            texts.append(s.strip())
+        self.last_generate = dict(agents=len(prompts), steps=steps, suffix_tokens=[len(s) for s in suffixes],
+                                  new_tokens=[len(outs[a]) for a in aids], kv_bytes_agents_peak=peak,
+                                  seconds=time.perf_counter() - t0)
+        return texts
+
+    def _eos_ids(self) -> set[int]:
+        ids = set()
+        for src in (getattr(self.tok, "eos_token_id", None),
+                    getattr(getattr(self.model, "generation_config", None), "eos_token_id", None),
+                    getattr(self.model.config, "eos_token_id", None)):
+            if isinstance(src, int):
+                ids.add(src)
+            elif isinstance(src, (list, tuple)):
+                ids.update(int(x) for x in src)
+        return ids
+
+    # --- memory ------------------------------------------------------------------------------
+    def memory_report(self) -> dict:
+        """Measured bytes (DESIGN §7: untyped_storage().nbytes(), each storage once).
+
+        kv_bytes_shared: every resident document's compressed prefix
+        kv_bytes_agents: live suffix storage of all open batches (allocated capacity included)
+        kv_bytes_naive_f16: one real f16 DynamicCache per resident document, measured at prefill
+            (the single-agent naive figure; N-agent naive figures are measured by
+            `polykv.bench.fanout`, which really allocates the N copies)
+        ratio: kv_bytes_naive_f16 / kv_bytes_shared
+        """
+        with self._lock:
+            docs = [d for d in self._docs.values() if d.resident]
+            shared = storage_bytes([t for d in docs for t in d.tensors()])
+            batches = [b for b in list(self._batches) if not b._closed]
+            agents = storage_bytes([t for b in batches for t in b.cache.tensors()])
+            naive = sum(d.naive_f16_bytes for d in docs)
+            return dict(kv_bytes_shared=shared, kv_bytes_agents=agents, kv_bytes_naive_f16=naive,
+                        ratio=(naive / shared) if shared else 0.0,
+                        documents=len(self._docs), resident_documents=len(docs),
+                        open_batches=len(batches), agents=sum(len(b) for b in batches),
+                        kv_bytes_agents_peak=max(self.peak_agent_bytes, agents),
+                        k=self.k_type, v=self.v_type,
+                        naive_basis="one measured f16 DynamicCache per document (single agent)")
+
+    # --- persistence -------------------------------------------------------------------------
+    def save(self, path) -> None:
+        """Write the pool to directory `path`: pool.safetensors + manifest.json (see persist.py)."""
+        from .persist import save_pool
+
+        with self._lock:
+            save_pool(self, path)
+
+    @classmethod
+    def load(cls, path, model, tok, **kwargs) -> "SharedKVPool":
+        """Load a pool saved by `save`; raises PoolFormatError on any mismatch or corruption."""
+        from .persist import load_pool
+
+        return load_pool(cls, path, model, tok, **kwargs)
