@@ -1,0 +1,101 @@
+"""Attention microbenchmark (GPU): packed-KV Triton kernels vs torch SDPA over dense fp16 KV.
+
+bench_attention(ctxs, agents, pairs) -> {"rows": [{ctx, agents, k, v, ms, ms_sdpa_f16, speedup,
+gbps, ...}]}. agents == 1 and suffix == 0: fused decode of one sequence over ctx compressed tokens.
+Otherwise: cascade — `agents` sequences share a ctx-token compressed prefix and each has its own
+`suffix`-token compressed suffix; the baseline is SDPA over `agents` dense fp16 copies of
+prefix+suffix. Layer shape defaults to Llama-3-8B (32 q heads, 8 KV heads, head_dim 128), one query
+per agent. Timing: triton.testing.do_bench (CUDA events, L2 flushed between reps), median.
+gbps = bytes the kernel must read (packed K/V of every visible row, counted from the tensors) / time.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from ..codecs import get_codec
+
+
+def _median_ms(fn, warmup: int = 25, rep: int = 100) -> float:
+    import triton.testing
+
+    return float(triton.testing.do_bench(fn, warmup=warmup, rep=rep, return_mode="median"))
+
+
+def _sdpa(q, k, v):
+    import torch.nn.functional as F
+
+    return F.scaled_dot_product_attention(q, k, v, enable_gqa=True)
+
+
+def _rows_bytes(p) -> int:
+    return p.nbytes()
+
+
+def bench_one(ctx: int, agents: int, kname: str, vname: str, *, hq: int = 32, hkv: int = 8,
+              d: int = 128, suffix: int = 0, n_q: int = 1, device="cuda", sdpa: bool = True,
+              tune: dict | None = None, warmup: int = 25, rep: int = 100) -> dict:
+    from ..kernels import attention_decode, cascade_attention
+
+    tune = tune or {}
+    kc, vc = get_codec(kname, d), get_codec(vname, d)
+    g = torch.Generator(device=device).manual_seed(ctx * 131 + agents)
+    scale = 1.0 / math.sqrt(d)
+
+    def rnd(*shape):
+        return torch.randn(*shape, device=device, dtype=torch.float16, generator=g)
+
+    kp = kc.encode(rnd(1, hkv, ctx, d))
+    vp = vc.encode(rnd(1, hkv, ctx, d))
+    q = rnd(agents, hq, n_q, d)
+    row = dict(ctx=ctx, agents=agents, k=kname, v=vname, suffix=suffix, hq=hq, hkv=hkv, d=d)
+    if agents == 1 and suffix == 0:
+        fn = lambda: attention_decode(q, kp, vp, kc, vc, sm_scale=scale, **tune)  # noqa: E731
+        nbytes = _rows_bytes(kp) + _rows_bytes(vp)
+    else:
+        sk = kc.encode(rnd(agents, hkv, max(suffix, 1), d))
+        sv = vc.encode(rnd(agents, hkv, max(suffix, 1), d))
+        sl = torch.full((agents,), suffix, dtype=torch.int32, device=device)
+        fn = lambda: cascade_attention(q, kp, vp, sk, sv, sl, kc, vc, sm_scale=scale,  # noqa: E731
+                                       **tune)
+        nbytes = _rows_bytes(kp) + _rows_bytes(vp) + (
+            (_rows_bytes(sk) + _rows_bytes(sv)) if suffix else 0)
+    fn()
+    torch.cuda.synchronize()
+    ms = _median_ms(fn, warmup, rep)
+    row.update(ms=ms, bytes=nbytes, gbps=nbytes / ms / 1e6)
+    del kp, vp
+    if sdpa:
+        total = ctx + suffix
+        kd = rnd(agents, hkv, total, d)
+        vd = rnd(agents, hkv, total, d)
+        fs = lambda: _sdpa(q, kd, vd)  # noqa: E731
+        fs()
+        torch.cuda.synchronize()
+        ms_s = _median_ms(fs, warmup, rep)
+        dense = kd.numel() * 2 * 2
+        row.update(ms_sdpa_f16=ms_s, speedup=ms_s / ms, gbps_sdpa=dense / ms_s / 1e6,
+                   bytes_sdpa=dense)
+        del kd, vd
+    else:
+        row.update(ms_sdpa_f16=None, speedup=None)
+    torch.cuda.empty_cache()
+    return row
+
+
+def bench_attention(ctxs=(4096, 16384, 65536, 131072), agents=(1,),
+                    pairs=(("q8_0", "turbo3"), ("turbo4", "turbo3"), ("turbo3", "turbo3")),
+                    *, suffix: int | None = None, tune: dict | None = None, **kw) -> dict:
+    """One row per (ctx, agents, pair). suffix defaults to 0 for a single agent and 128 for
+    several (cascade)."""
+    if not torch.cuda.is_available():
+        raise RuntimeError("bench_attention needs a CUDA GPU")
+    rows = []
+    for ctx in ctxs:
+        for n in agents:
+            sfx = suffix if suffix is not None else (0 if n == 1 else 128)
+            for kname, vname in pairs:
+                rows.append(bench_one(int(ctx), int(n), kname, vname, suffix=sfx, tune=tune, **kw))
+    return {"rows": rows}

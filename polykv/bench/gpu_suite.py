@@ -1,0 +1,264 @@
+"""GPU suite for polykv/kernels (one device call): correctness at full size vs reference.py, then
+timings. Usage (repo root, CUDA machine):  PYTHONPATH=. python3 polykv/bench/gpu_suite.py
+Writes $OUT/gpu_suite.json (or ./gpu_suite.json) and prints a short table last.
+Env: SUITE_QUICK=1 for a smaller run; SUITE_SKIP=tune,cascade,... to skip sections.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import sys
+import time
+import traceback
+
+import torch
+
+sys.path.insert(0, os.getcwd())
+
+from polykv.bench.attention import _median_ms, bench_one  # noqa: E402
+from polykv.codecs import CODEC_NAMES, Packed, get_codec  # noqa: E402
+from polykv.kernels import (attention_decode, attention_decode_ref, cascade_attention,  # noqa: E402
+                            cascade_attention_ref, dequantize, dequantize_ref, merge_attention,
+                            merge_attention_ref, quantize_into)
+
+OUT = os.environ.get("OUT", ".")
+RES: dict = {"date": time.strftime("%Y-%m-%d %H:%M:%S"), "checks": [], "tune": [], "decode": [],
+             "cascade": [], "quantize": [], "errors": []}
+SKIP = set(filter(None, os.environ.get("SUITE_SKIP", "").split(",")))
+DEV = "cuda"
+
+
+def save():
+    with open(os.path.join(OUT, "gpu_suite.json"), "w") as f:
+        json.dump(RES, f, indent=1, default=str)
+
+
+def log(*a):
+    print(*a, flush=True)
+
+
+def rel(a, b):
+    a, b = a.double(), b.double()
+    return float((a - b).norm() / b.norm().clamp_min(1e-30))
+
+
+def section(name):
+    def deco(fn):
+        def run(*a, **k):
+            if name in SKIP:
+                return None
+            t = time.time()
+            try:
+                return fn(*a, **k)
+            except Exception:  # keep going: one broken section must not lose the others
+                tb = traceback.format_exc()
+                log(f"!! section {name} failed\n{tb}")
+                RES["errors"].append({"section": name, "tb": tb})
+            finally:
+                log(f"-- {name}: {time.time() - t:.1f}s")
+                save()
+        return run
+    return deco
+
+
+def check(name, ok, **info):
+    RES["checks"].append(dict(name=name, ok=bool(ok), **info))
+    log(f"[{'ok' if ok else 'FAIL'}] {name} {info}")
+
+
+@section("env")
+def env():
+    p = torch.cuda.get_device_properties(0)
+    import triton
+    RES["env"] = dict(gpu=p.name, sms=p.multi_processor_count, torch=torch.__version__,
+                      triton=triton.__version__, l2=getattr(p, "L2_cache_size", None))
+    n = 1 << 30  # 1 GiB copy: bytes read + written
+    a = torch.randint(0, 255, (n,), dtype=torch.uint8, device=DEV)
+    b = torch.empty_like(a)
+    ms = _median_ms(lambda: b.copy_(a))
+    RES["copy_gbps"] = 2 * n / ms / 1e6
+    log("env", RES["env"], f"copy {RES['copy_gbps']:.0f} GB/s")
+    del a, b
+
+
+@section("correct")
+def correctness():
+    g = torch.Generator(device=DEV).manual_seed(0)
+
+    def rnd(*s, dtype=torch.float16):
+        return torch.randn(*s, device=DEV, generator=g).to(dtype)
+
+    # decode: full Llama-8B layer shape, several pairs, odd lengths, n_q 1 and 4
+    pairs = [("q8_0", "turbo3"), ("turbo4", "turbo3"), ("turbo3", "turbo3"), ("f16", "f16"),
+             ("q4_0", "turbo2"), ("turbo8", "q8_0"), ("bf16", "turbo4"), ("turbo2", "q4_0")]
+    for kn, vn in pairs:
+        for n_q in (1, 4):
+            D, S = 128, 16411
+            kc, vc = get_codec(kn, D), get_codec(vn, D)
+            k = kc.encode(rnd(2, 8, S, D))
+            v = vc.encode(rnd(2, 8, S, D))
+            q = rnd(2, 32, n_q, D)
+            lens = torch.tensor([S, 9001], dtype=torch.int32, device=DEV)
+            o, l = attention_decode(q, k, v, kc, vc, kv_lens=lens)
+            o2, l2 = attention_decode_ref(q, k, v, kc, vc, kv_lens=lens)
+            check(f"decode {kn}/{vn} D{D} S{S} nq{n_q}", rel(o, o2) <= 1e-2
+                  and (l - l2).abs().max().item() < 1e-2, rel=rel(o, o2),
+                  lse_err=(l - l2).abs().max().item())
+    for D, group in ((64, 8), (256, 2), (512, 1)):
+        kc, vc = get_codec("q8_0", D), get_codec("turbo3", D)
+        k, v = kc.encode(rnd(1, 4, 4099, D)), vc.encode(rnd(1, 4, 4099, D))
+        q = rnd(1, 4 * group, 2, D)
+        o, l = attention_decode(q, k, v, kc, vc, window=1000)
+        o2, l2 = attention_decode_ref(q, k, v, kc, vc, window=1000)
+        check(f"decode q8_0/turbo3 D{D} g{group} window", rel(o, o2) <= 1e-2, rel=rel(o, o2))
+    # cascade: 8 agents on a 64k prefix
+    for kn, vn in (("q8_0", "turbo3"), ("turbo4", "turbo3")):
+        kc, vc = get_codec(kn, 128), get_codec(vn, 128)
+        pk, pv = kc.encode(rnd(1, 8, 65536, 128)), vc.encode(rnd(1, 8, 65536, 128))
+        sk, sv = kc.encode(rnd(8, 8, 128, 128)), vc.encode(rnd(8, 8, 128, 128))
+        sl = torch.tensor([128, 0, 1, 77, 128, 5, 64, 100], dtype=torch.int32, device=DEV)
+        q = rnd(8, 32, 1, 128)
+        o, l = cascade_attention(q, pk, pv, sk, sv, sl, kc, vc)
+        o2, l2 = cascade_attention_ref(q, pk, pv, sk, sv, sl, kc, vc)
+        check(f"cascade {kn}/{vn} 8 agents 64k", rel(o, o2) <= 1e-2, rel=rel(o, o2),
+              lse_err=(l - l2).abs().max().item())
+    oa, ob = rnd(4, 32, 1, 128), rnd(4, 32, 1, 128)
+    la, lb = rnd(4, 32, 1, dtype=torch.float32), rnd(4, 32, 1, dtype=torch.float32)
+    la[0] = float("-inf")
+    o, l = merge_attention(oa, la, ob, lb)
+    o2, l2 = merge_attention_ref(oa, la, ob, lb)
+    check("merge", rel(o, o2) <= 1e-3, rel=rel(o, o2))
+    # quantize-on-write exactness and dequant
+    for name in CODEC_NAMES:
+        for D in (64, 128, 256):
+            c = get_codec(name, D)
+            x = rnd(2, 8, 257, D, dtype=torch.float32) * 2
+            ref = c.encode(x)
+            dst = c.empty((2, 8, 300), device=DEV)
+            quantize_into(dst, x, c, torch.tensor([5, 40], device=DEV))
+            got = Packed(torch.stack([dst.codes[0, :, 5:262], dst.codes[1, :, 40:297]]),
+                         None if dst.scales is None else
+                         torch.stack([dst.scales[0, :, 5:262], dst.scales[1, :, 40:297]]))
+            if c.rotated:
+                mis = (c.indices(got) != c.indices(ref)).float().mean().item()
+                srel = ((got.scales.float() - ref.scales.float()).abs()
+                        / ref.scales.float().abs().clamp_min(1e-6)).max().item()
+                check(f"quantize {name} D{D}", mis <= 1e-3 and srel <= 1e-3, idx_mismatch=mis,
+                      norm_rel=srel)
+            else:
+                same = torch.equal(got.codes.view(torch.uint8) if got.codes.dtype != torch.bfloat16
+                                   else got.codes.view(torch.int16),
+                                   ref.codes.view(torch.uint8) if ref.codes.dtype != torch.bfloat16
+                                   else ref.codes.view(torch.int16))
+                same = same and (ref.scales is None or torch.equal(got.scales, ref.scales))
+                check(f"quantize {name} D{D} bit-exact", same)
+            dq = dequantize(ref, c, torch.float32)
+            check(f"dequant {name} D{D}", rel(dq, dequantize_ref(ref, c, torch.float32)) <= 1e-4,
+                  rel=rel(dq, dequantize_ref(ref, c, torch.float32)))
+
+
+TUNE_BEST: dict = {}
+
+
+@section("tune")
+def tune():
+    """Small sweep of the decode kernel's launch parameters at 64k, K q8_0 / V turbo3."""
+    cfgs = [dict(block_n=bn, num_warps=w, num_stages=s, target_programs=t)
+            for bn, w, s, t in [(64, 4, 2, 528), (64, 4, 3, 528), (32, 4, 2, 528),
+                                (128, 4, 2, 528), (64, 8, 2, 528), (64, 4, 2, 264),
+                                (64, 4, 2, 1056), (128, 8, 3, 528), (32, 2, 3, 1056)]]
+    best = None
+    for cfg in cfgs:
+        r = bench_one(65536, 1, "q8_0", "turbo3", sdpa=False, tune=cfg)
+        RES["tune"].append(dict(cfg=cfg, ms=r["ms"], gbps=r["gbps"]))
+        log(f"tune {cfg} {r['ms'] * 1e3:.1f} us {r['gbps']:.0f} GB/s")
+        if best is None or r["ms"] < best[0]:
+            best = (r["ms"], cfg)
+    TUNE_BEST.update(best[1])
+    RES["tune_best"] = best[1]
+
+
+@section("decode")
+def decode_bench():
+    ctxs = (4096, 16384, 65536, 131072)
+    for ctx in ctxs:
+        for kn, vn in (("q8_0", "turbo3"), ("turbo4", "turbo3"), ("turbo3", "turbo3"),
+                       ("f16", "f16")):
+            r = bench_one(ctx, 1, kn, vn, tune=TUNE_BEST)
+            r["floor_ms"] = r["bytes"] / RES.get("copy_gbps", 4300) / 1e6
+            RES["decode"].append(r)
+            log(f"decode ctx {ctx} {kn}/{vn}: {r['ms'] * 1e3:.1f} us, sdpa {r['ms_sdpa_f16'] * 1e3:.1f}"
+                f" us, x{r['speedup']:.2f}, {r['gbps']:.0f} GB/s")
+
+
+@section("cascade")
+def cascade_bench():
+    for n in (1, 8, 32, 64):
+        tune_c = {k: v for k, v in TUNE_BEST.items() if k != "block_n"}
+        r = bench_one(65536, n, "q8_0", "turbo3", suffix=128, tune=tune_c)
+        RES["cascade"].append(r)
+        log(f"cascade {n} agents 64k: {r['ms'] * 1e3:.1f} us, sdpa x{n} {r['ms_sdpa_f16'] * 1e3:.1f}"
+            f" us, x{r['speedup']:.2f}")
+
+
+@section("quantize")
+def quantize_bench():
+    g = torch.Generator(device=DEV).manual_seed(1)
+    for name in ("f16", "q8_0", "q4_0", "turbo4", "turbo3"):
+        c = get_codec(name, 128)
+        for B, T in ((1, 32768), (64, 1)):
+            x = torch.randn(B, 8, T, 128, device=DEV, generator=g).to(torch.float16)
+            dst = c.empty((B, 8, T + 8), device=DEV)
+            pos = torch.full((B,), 3, device=DEV)
+            ms = _median_ms(lambda: quantize_into(dst, x, c, pos))
+            ms_t = _median_ms(lambda: c.encode(x, check=False))
+            out_bytes = (c.code_bytes + 2 * c.n_scales) * B * 8 * T
+            moved = x.numel() * 2 + out_bytes
+            r = dict(codec=name, B=B, T=T, ms=ms, ms_torch_encode=ms_t, gbps=moved / ms / 1e6,
+                     rows_per_s=B * 8 * T / ms * 1e3)
+            RES["quantize"].append(r)
+            log(f"quantize {name} B{B} T{T}: {ms * 1e3:.1f} us ({r['gbps']:.0f} GB/s), "
+                f"torch encode {ms_t * 1e3:.1f} us")
+
+
+def table():
+    lines = [f"GPU {RES.get('env', {}).get('gpu')}  copy {RES.get('copy_gbps', 0):.0f} GB/s  "
+             f"tune {RES.get('tune_best')}"]
+    bad = [c["name"] for c in RES["checks"] if not c["ok"]]
+    lines.append(f"checks: {sum(c['ok'] for c in RES['checks'])}/{len(RES['checks'])} ok"
+                 + (f"  FAILED: {bad}" if bad else ""))
+    lines.append("decode (1 agent, 32q/8kv/128):")
+    lines.append(f"{'ctx':>7} {'K/V':>14} {'us':>8} {'sdpa_us':>8} {'x':>6} {'GB/s':>6} "
+                 f"{'%copy':>6} {'floor_us':>8}")
+    for r in RES["decode"]:
+        lines.append(f"{r['ctx']:>7} {r['k'] + '/' + r['v']:>14} {r['ms'] * 1e3:>8.1f} "
+                     f"{r['ms_sdpa_f16'] * 1e3:>8.1f} {r['speedup']:>6.2f} {r['gbps']:>6.0f} "
+                     f"{100 * r['gbps'] / RES.get('copy_gbps', 4300):>6.0f} "
+                     f"{r['floor_ms'] * 1e3:>8.1f}")
+    lines.append("cascade (64k shared prefix q8_0/turbo3 + 128-token suffixes):")
+    for r in RES["cascade"]:
+        lines.append(f"  agents {r['agents']:>3}: {r['ms'] * 1e3:>8.1f} us  sdpa(N dense) "
+                     f"{r['ms_sdpa_f16'] * 1e3:>9.1f} us  x{r['speedup']:.1f}  {r['gbps']:.0f} GB/s")
+    lines.append("quantize-on-write:")
+    for r in RES["quantize"]:
+        lines.append(f"  {r['codec']:>7} B{r['B']:>3} T{r['T']:>6}: {r['ms'] * 1e3:>8.1f} us "
+                     f"{r['gbps']:>6.0f} GB/s  (torch encode {r['ms_torch_encode'] * 1e3:.1f} us)")
+    txt = "\n".join(lines)
+    RES["table"] = txt
+    save()
+    print("\n" + txt, flush=True)
+
+
+if __name__ == "__main__":
+    os.environ.setdefault("POLYKV_CACHE_DIR", "/tmp/polykv_cache")
+    t0 = time.time()
+    env()
+    correctness()
+    tune()
+    decode_bench()
+    cascade_bench()
+    quantize_bench()
+    log(f"total {time.time() - t0:.0f}s")
+    table()
