@@ -39,7 +39,8 @@ def _jsonable(o):
 def _console():
     from rich.console import Console
 
-    return Console()
+    # Wide tables stay readable when piped to a file or a log.
+    return Console() if sys.stdout.isatty() else Console(width=160)
 
 
 def _table(title: str, rows: list[dict], columns: list[str], fmt: dict | None = None):
