@@ -5,27 +5,15 @@ from __future__ import annotations
 import torch
 
 from ..codecs import CODEC_NAMES, InnerQTable, get_codec
-from ..codecs.report import codec_errors
-
-
-def capture_real_kv(model, tok, text: str, max_tokens: int = 1024) -> dict[int, tuple[torch.Tensor, torch.Tensor]]:
-    """Post-RoPE keys and values of every layer for `text` (as a cache stores them):
-    {layer: (k, v)} each [1, kv_heads, seq, head_dim] float32."""
-    from transformers import DynamicCache
-
-    ids = tok(text, return_tensors="pt").input_ids[:, :max_tokens]
-    cache = DynamicCache(config=model.config)
-    with torch.inference_mode():
-        model(ids, past_key_values=cache, use_cache=True, logits_to_keep=1)
-    return {i: (layer.keys.float().clone(), layer.values.float().clone())
-            for i, layer in enumerate(cache.layers)}
 
 
 def real_kv_table(model, tok, text: str, calib_text: str, max_tokens: int = 1024) -> dict:
     """Rel-MSE / cosine of each codec on real K and V (all layers pooled by summed error), plus K
     with InnerQ calibrated on `calib_text` (a different text than the one measured)."""
-    kv = capture_real_kv(model, tok, text, max_tokens)
-    calib = capture_real_kv(model, tok, calib_text, max_tokens)
+    from ..hf.capture import capture_kv
+
+    kv = capture_kv(model, tok, text, max_tokens)
+    calib = capture_kv(model, tok, calib_text, max_tokens)
     table = InnerQTable.calibrate({i: k for i, (k, _) in calib.items()})
     rows = []
     for name in CODEC_NAMES:
