@@ -5,7 +5,8 @@ gbps, ...}]}. agents == 1 and suffix == 0: fused decode of one sequence over ctx
 Otherwise: cascade — `agents` sequences share a ctx-token compressed prefix and each has its own
 `suffix`-token compressed suffix; the baseline is SDPA over `agents` dense fp16 copies of
 prefix+suffix. Layer shape defaults to Llama-3-8B (32 q heads, 8 KV heads, head_dim 128), one query
-per agent. Timing: triton.testing.do_bench (CUDA events, L2 flushed between reps), median.
+per agent. Timing: triton.testing.do_bench (CUDA events, L2 flushed between reps), median, of CUDA-graph
+replays (ms, ms_sdpa_f16) and of eager calls (ms_eager, ms_sdpa_f16_eager: host launch overhead in).
 gbps = bytes the kernel must read (packed K/V of every visible row, counted from the tensors) / time.
 """
 
@@ -22,6 +23,34 @@ def _median_ms(fn, warmup: int = 25, rep: int = 100) -> float:
     import triton.testing
 
     return float(triton.testing.do_bench(fn, warmup=warmup, rep=rep, return_mode="median"))
+
+
+def graphed(fn):
+    """Capture fn (warmed up) in a CUDA graph; returns the replay callable. Times of replays leave
+    the host's launch overhead out (as a graph-captured decode step in an engine would)."""
+    st = torch.cuda.Stream()
+    st.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(st):
+        for _ in range(3):
+            fn()
+    torch.cuda.current_stream().wait_stream(st)
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        fn()
+    torch.cuda.synchronize()
+    return g.replay
+
+
+def _time(fn, warmup, rep):
+    """(graph-replay median ms, eager median ms)."""
+    fn()
+    torch.cuda.synchronize()
+    eager = _median_ms(fn, warmup, rep)
+    try:
+        gr = graphed(fn)
+        return _median_ms(gr, warmup, rep), eager
+    except Exception:  # capture can fail for a path; report eager then
+        return eager, eager
 
 
 def _sdpa(q, k, v):
@@ -62,19 +91,16 @@ def bench_one(ctx: int, agents: int, kname: str, vname: str, *, hq: int = 32, hk
                                        **tune)
         nbytes = _rows_bytes(kp) + _rows_bytes(vp) + (
             (_rows_bytes(sk) + _rows_bytes(sv)) if suffix else 0)
-    fn()
-    torch.cuda.synchronize()
-    ms = _median_ms(fn, warmup, rep)
-    row.update(ms=ms, bytes=nbytes, gbps=nbytes / ms / 1e6)
+    ms, ms_eager = _time(fn, warmup, rep)
+    row.update(ms=ms, ms_eager=ms_eager, bytes=nbytes, gbps=nbytes / ms / 1e6)
     del kp, vp
     if sdpa:
         total = ctx + suffix
         kd = rnd(agents, hkv, total, d)
         vd = rnd(agents, hkv, total, d)
         fs = lambda: _sdpa(q, kd, vd)  # noqa: E731
-        fs()
-        torch.cuda.synchronize()
-        ms_s = _median_ms(fs, warmup, rep)
+        ms_s, ms_s_eager = _time(fs, warmup, rep)
+        row["ms_sdpa_f16_eager"] = ms_s_eager
         dense = kd.numel() * 2 * 2
         row.update(ms_sdpa_f16=ms_s, speedup=ms_s / ms, gbps_sdpa=dense / ms_s / 1e6,
                    bytes_sdpa=dense)

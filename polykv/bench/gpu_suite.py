@@ -17,7 +17,7 @@ import torch
 
 sys.path.insert(0, os.getcwd())
 
-from polykv.bench.attention import _median_ms, bench_one  # noqa: E402
+from polykv.bench.attention import _median_ms, _time, bench_one  # noqa: E402
 from polykv.codecs import CODEC_NAMES, Packed, get_codec  # noqa: E402
 from polykv.kernels import (attention_decode, attention_decode_ref, cascade_attention,  # noqa: E402
                             cascade_attention_ref, dequantize, dequantize_ref, merge_attention,
@@ -193,11 +193,28 @@ def decode_bench():
                 f" us, x{r['speedup']:.2f}, {r['gbps']:.0f} GB/s")
 
 
+CASCADE_BEST: dict = {}
+
+
+@section("tune_cascade")
+def tune_cascade():
+    best = None
+    for pbm, w, bn, st in [(128, 8, 64, 2), (128, 8, 32, 2), (128, 8, 64, 3), (64, 4, 64, 2),
+                           (64, 8, 64, 2), (128, 4, 64, 2), (64, 4, 32, 3)]:
+        cfg = dict(prefix_block_m=pbm, num_warps=w, block_n=bn, num_stages=st)
+        r = bench_one(65536, 32, "q8_0", "turbo3", suffix=128, sdpa=False, tune=cfg)
+        RES["tune"].append(dict(cascade=True, cfg=cfg, ms=r["ms"], gbps=r["gbps"]))
+        log(f"tune cascade32 {cfg} {r['ms'] * 1e3:.1f} us (eager {r['ms_eager'] * 1e3:.1f})")
+        if best is None or r["ms"] < best[0]:
+            best = (r["ms"], cfg)
+    CASCADE_BEST.update(best[1])
+    RES["tune_cascade_best"] = best[1]
+
+
 @section("cascade")
 def cascade_bench():
     for n in (1, 8, 32, 64):
-        tune_c = {k: v for k, v in TUNE_BEST.items() if k != "block_n"}
-        r = bench_one(65536, n, "q8_0", "turbo3", suffix=128, tune=tune_c)
+        r = bench_one(65536, n, "q8_0", "turbo3", suffix=128, tune=CASCADE_BEST)
         RES["cascade"].append(r)
         log(f"cascade {n} agents 64k: {r['ms'] * 1e3:.1f} us, sdpa x{n} {r['ms_sdpa_f16'] * 1e3:.1f}"
             f" us, x{r['speedup']:.2f}")
@@ -212,11 +229,17 @@ def quantize_bench():
             x = torch.randn(B, 8, T, 128, device=DEV, generator=g).to(torch.float16)
             dst = c.empty((B, 8, T + 8), device=DEV)
             pos = torch.full((B,), 3, device=DEV)
-            ms = _median_ms(lambda: quantize_into(dst, x, c, pos))
+            ms, ms_e = _time(lambda: quantize_into(dst, x, c, pos), 25, 100)
             ms_t = _median_ms(lambda: c.encode(x, check=False))
+            if c.rotated and T > 1:
+                for bt, w in ((32, 4), (64, 8)):
+                    m2, _ = _time(lambda: quantize_into(dst, x, c, pos, block_t=bt, num_warps=w),
+                                  25, 100)
+                    log(f"  quantize {name} block_t {bt} warps {w}: {m2 * 1e3:.1f} us")
+                    RES["quantize"].append(dict(codec=name, B=B, T=T, block_t=bt, ms=m2))
             out_bytes = (c.code_bytes + 2 * c.n_scales) * B * 8 * T
             moved = x.numel() * 2 + out_bytes
-            r = dict(codec=name, B=B, T=T, ms=ms, ms_torch_encode=ms_t, gbps=moved / ms / 1e6,
+            r = dict(codec=name, B=B, T=T, ms=ms, ms_eager=ms_e, ms_torch_encode=ms_t, gbps=moved / ms / 1e6,
                      rows_per_s=B * 8 * T / ms * 1e3)
             RES["quantize"].append(r)
             log(f"quantize {name} B{B} T{T}: {ms * 1e3:.1f} us ({r['gbps']:.0f} GB/s), "
@@ -231,18 +254,22 @@ def table():
                  + (f"  FAILED: {bad}" if bad else ""))
     lines.append("decode (1 agent, 32q/8kv/128):")
     lines.append(f"{'ctx':>7} {'K/V':>14} {'us':>8} {'sdpa_us':>8} {'x':>6} {'GB/s':>6} "
-                 f"{'%copy':>6} {'floor_us':>8}")
+                 f"{'%copy':>6} {'floor_us':>8} {'eager_us':>8} {'sdpa_eager':>10}")
     for r in RES["decode"]:
         lines.append(f"{r['ctx']:>7} {r['k'] + '/' + r['v']:>14} {r['ms'] * 1e3:>8.1f} "
                      f"{r['ms_sdpa_f16'] * 1e3:>8.1f} {r['speedup']:>6.2f} {r['gbps']:>6.0f} "
                      f"{100 * r['gbps'] / RES.get('copy_gbps', 4300):>6.0f} "
-                     f"{r['floor_ms'] * 1e3:>8.1f}")
+                     f"{r['floor_ms'] * 1e3:>8.1f} {r['ms_eager'] * 1e3:>8.1f} "
+                     f"{r['ms_sdpa_f16_eager'] * 1e3:>10.1f}")
     lines.append("cascade (64k shared prefix q8_0/turbo3 + 128-token suffixes):")
     for r in RES["cascade"]:
         lines.append(f"  agents {r['agents']:>3}: {r['ms'] * 1e3:>8.1f} us  sdpa(N dense) "
-                     f"{r['ms_sdpa_f16'] * 1e3:>9.1f} us  x{r['speedup']:.1f}  {r['gbps']:.0f} GB/s")
+                     f"{r['ms_sdpa_f16'] * 1e3:>9.1f} us  x{r['speedup']:.1f}  {r['gbps']:.0f} GB/s  "
+                     f"(eager {r['ms_eager'] * 1e3:.1f} / {r['ms_sdpa_f16_eager'] * 1e3:.1f} us)")
     lines.append("quantize-on-write:")
     for r in RES["quantize"]:
+        if "block_t" in r:
+            continue
         lines.append(f"  {r['codec']:>7} B{r['B']:>3} T{r['T']:>6}: {r['ms'] * 1e3:>8.1f} us "
                      f"{r['gbps']:>6.0f} GB/s  (torch encode {r['ms_torch_encode'] * 1e3:.1f} us)")
     txt = "\n".join(lines)
@@ -258,6 +285,7 @@ if __name__ == "__main__":
     correctness()
     tune()
     decode_bench()
+    tune_cascade()
     cascade_bench()
     quantize_bench()
     log(f"total {time.time() - t0:.0f}s")

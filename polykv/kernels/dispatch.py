@@ -179,7 +179,7 @@ def _positions(positions, B: int, T: int, device) -> torch.Tensor:
 
 
 def quantize_into(dst: Packed, x: torch.Tensor, codec, positions, *,
-                  innerq: torch.Tensor | None = None) -> None:
+                  innerq: torch.Tensor | None = None, **tune) -> None:
     """Encode x [B, Hkv, T, D] and write row (b, h, t) to dst (Packed leading [B, Hkv, S_cap]) at
     sequence position positions[b, t]; positions: int start for all, int [B] starts, or [B, T].
     innerq s [Hkv, D]: rows are stored as x * s."""
@@ -187,7 +187,7 @@ def quantize_into(dst: Packed, x: torch.Tensor, codec, positions, *,
     codec = as_codec(codec, D)
     pos = _positions(positions, B, T, x.device)
     if use_triton(x, dst.codes):
-        _k()[2].quantize_into_triton(dst, x, codec, pos, innerq)
+        _k()[2].quantize_into_triton(dst, x, codec, pos, innerq, **tune)
         return
     pk = ref.quantize_ref(x, codec, innerq)
     bi = torch.arange(B, device=x.device)[:, None].expand(B, T)

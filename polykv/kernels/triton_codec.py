@@ -50,23 +50,28 @@ def load_tile(codes_ptr, scales_ptr, row_off, srow_off, nmask, C: tl.constexpr,
     """Load the bytes of a [BN, C] tile (sub-column layout) and the per-column scale/norm.
 
     row_off / srow_off: int64 [BN] element offsets of each row in codes / scales.
-    Returns (b0, b1, sc): b0 int32 (or float for raw) [BN, C], b1 int32 [BN, C] (turbo3 high-bit
-    bytes, else b0), sc float32 [BN, C] (1 for raw)."""
+    Returns (b0, b1, sc): b0 int32 (float32 for raw / q8_0) [BN, C], b1 (turbo3 high-bit bytes,
+    else b0), sc float32 [BN, C] (unused for raw)."""
     c = tl.arange(0, C)
     m2 = nmask[:, None]
+    # one if/elif chain and a single return: Triton checks every return's type, even in
+    # constexpr branches that are not taken
     if KIND == 0:
         b0 = tl.load(codes_ptr + row_off[:, None] + c[None, :], mask=m2, other=0.0)
-        return b0, b0, b0.to(tl.float32)
-    if KIND == 1:
+        b0 = b0.to(tl.float32)
+        b1 = b0
+        sc = b0
+    elif KIND == 1:
+        b0 = tl.load(codes_ptr + row_off[:, None] + c[None, :], mask=m2, other=0).to(tl.float32)
+        b1 = b0
+        sc = tl.load(scales_ptr + srow_off[:, None] + (c // 32)[None, :], mask=m2,
+                     other=0.0).to(tl.float32)
+    elif KIND == 2:
         b0 = tl.load(codes_ptr + row_off[:, None] + c[None, :], mask=m2, other=0).to(tl.int32)
-        sc = tl.load(scales_ptr + srow_off[:, None] + (c // 32)[None, :], mask=m2, other=0.0)
-        return b0, b0, sc.to(tl.float32)
-    if KIND == 2:
-        b0 = tl.load(codes_ptr + row_off[:, None] + c[None, :], mask=m2, other=0).to(tl.int32)
-        sc = tl.load(scales_ptr + srow_off[:, None] + (c // 16)[None, :], mask=m2, other=0.0)
-        return b0, b0, sc.to(tl.float32)
-    # turbo
-    if BITS == 3:
+        b1 = b0
+        sc = tl.load(scales_ptr + srow_off[:, None] + (c // 16)[None, :], mask=m2,
+                     other=0.0).to(tl.float32)
+    elif BITS == 3:
         GB: tl.constexpr = G * 3 // 8
         Q4: tl.constexpr = G // 4
         g = c // Q4
@@ -75,12 +80,14 @@ def load_tile(codes_ptr, scales_ptr, row_off, srow_off, nmask, C: tl.constexpr,
         hi_off = g * GB + Q4 + j // 2
         b0 = tl.load(codes_ptr + row_off[:, None] + lo_off[None, :], mask=m2, other=0).to(tl.int32)
         b1 = tl.load(codes_ptr + row_off[:, None] + hi_off[None, :], mask=m2, other=0).to(tl.int32)
-        sc = tl.load(scales_ptr + srow_off[:, None] + g[None, :], mask=m2, other=0.0)
-        return b0, b1, sc.to(tl.float32)
-    CPG: tl.constexpr = G * BITS // 8  # columns (bytes) per group
-    b0 = tl.load(codes_ptr + row_off[:, None] + c[None, :], mask=m2, other=0).to(tl.int32)
-    sc = tl.load(scales_ptr + srow_off[:, None] + (c // CPG)[None, :], mask=m2, other=0.0)
-    return b0, b0, sc.to(tl.float32)
+        sc = tl.load(scales_ptr + srow_off[:, None] + g[None, :], mask=m2, other=0.0).to(tl.float32)
+    else:
+        CPG: tl.constexpr = G * BITS // 8  # columns (bytes) per group
+        b0 = tl.load(codes_ptr + row_off[:, None] + c[None, :], mask=m2, other=0).to(tl.int32)
+        b1 = b0
+        sc = tl.load(scales_ptr + srow_off[:, None] + (c // CPG)[None, :], mask=m2,
+                     other=0.0).to(tl.float32)
+    return b0, b1, sc
 
 
 @triton.jit
@@ -88,21 +95,23 @@ def sub_values(b0, b1, sc, cent_ptr, K: tl.constexpr, C: tl.constexpr, KIND: tl.
                BITS: tl.constexpr, G: tl.constexpr):
     """Float32 values [BN, C] of sub-tensor K of a tile loaded by load_tile."""
     if KIND == 0:
-        return b0.to(tl.float32)
-    if KIND == 1:
-        return b0.to(tl.float32) * sc
-    if KIND == 2:
+        val = b0
+    elif KIND == 1:
+        val = b0 * sc
+    elif KIND == 2:
         q = ((b0 >> (4 * K)) & 15) - 8
-        return q.to(tl.float32) * sc
-    if BITS == 8:
-        idx = b0
-    elif BITS == 4:
-        idx = (b0 >> (4 * K)) & 15
-    elif BITS == 2:
-        idx = (b0 >> (2 * K)) & 3
+        val = q.to(tl.float32) * sc
     else:
-        Q4: tl.constexpr = G // 4
-        c = tl.arange(0, C)
-        hs = 4 * ((c % Q4) % 2) + K
-        idx = ((b0 >> (2 * K)) & 3) | (((b1 >> hs[None, :]) & 1) << 2)
-    return tl.load(cent_ptr + idx) * sc
+        if BITS == 8:
+            idx = b0
+        elif BITS == 4:
+            idx = (b0 >> (4 * K)) & 15
+        elif BITS == 2:
+            idx = (b0 >> (2 * K)) & 3
+        else:
+            Q4: tl.constexpr = G // 4
+            c = tl.arange(0, C)
+            hs = 4 * ((c % Q4) % 2) + K
+            idx = ((b0 >> (2 * K)) & 3) | (((b1 >> hs[None, :]) & 1) << 2)
+        val = tl.load(cent_ptr + idx) * sc
+    return val

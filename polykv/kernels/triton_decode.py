@@ -187,16 +187,22 @@ def _dummy(device):
     return torch.zeros(1, dtype=torch.float32, device=device)
 
 
+_SMS: dict = {}
+
+
 def num_programs_target(device) -> int:
     if device.type == "cuda":
-        return 4 * torch.cuda.get_device_properties(device).multi_processor_count
+        key = device.index if device.index is not None else torch.cuda.current_device()
+        if key not in _SMS:
+            _SMS[key] = torch.cuda.get_device_properties(key).multi_processor_count
+        return 4 * _SMS[key]
     return 4  # interpreter: keep the program count small but exercise several splits
 
 
 def decode_prepared(qp: torch.Tensor, n_q: int, k: Packed, v: Packed, k_codec, v_codec,
                     kv_lens: torch.Tensor, *, causal: bool, window: int | None, sm_scale: float,
                     block_m_max: int = 64, target_programs: int | None = None,
-                    num_warps: int = 4, num_stages: int = 2, block_n: int | None = None):
+                    num_warps: int | None = None, num_stages: int = 2, block_n: int | None = None):
     """qp: float32 [B, Hkv, M, D] contiguous, already in K's storage domain (rotated / InnerQ-
     divided), rows r = head_in_group * n_q + j. k, v: Packed leading [B or 1, Hkv, S_cap].
     Returns out float32 [B, Hkv, M, D] in V's storage domain, lse float32 [B, Hkv, M]."""
@@ -212,6 +218,8 @@ def decode_prepared(qp: torch.Tensor, n_q: int, k: Packed, v: Packed, k_codec, v
     BLOCK_M = max(16, min(block_m_max, triton.next_power_of_2(M)))
     n_mt = triton.cdiv(M, BLOCK_M)
     BLOCK_N = block_n or _block_n(D)
+    if num_warps is None:
+        num_warps = 8 if BLOCK_M >= 64 else 4
     target = target_programs or num_programs_target(dev)
     max_splits = max(1, triton.cdiv(S, BLOCK_N))
     n_splits = max(1, min(max_splits, triton.cdiv(target, B * Hkv * n_mt)))

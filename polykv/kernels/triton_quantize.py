@@ -134,7 +134,8 @@ def _quantize_kernel(X, POS, SCL, CODES, SCALES, ROT, CENT, BOUNDS,
 
 
 def quantize_into_triton(dst: Packed, x: torch.Tensor, codec, positions: torch.Tensor,
-                         innerq: torch.Tensor | None = None, block_t: int = 16) -> None:
+                         innerq: torch.Tensor | None = None, block_t: int = 16,
+                         num_warps: int = 4) -> None:
     """x [B, Hkv, T, D]; positions int [B, T]; dst Packed leading [B, Hkv, S_cap]."""
     B, Hkv, T, D = x.shape
     meta = codec_meta(codec)
@@ -160,4 +161,4 @@ def quantize_into_triton(dst: Packed, x: torch.Tensor, codec, positions: torch.T
         s.stride(0), s.stride(1), s.stride(2),
         Hkv, T, float(math.sqrt(meta["G"])),
         D=D, BLOCK_T=block_t, KIND=meta["KIND"], BITS=meta["BITS"], G=meta["G"],
-        HAS_S=innerq is not None, num_warps=4, enable_fp_fusion=False)
+        HAS_S=innerq is not None, num_warps=num_warps, enable_fp_fusion=False)
