@@ -1,8 +1,8 @@
 """Attention over a shared compressed prefix plus per-agent compressed suffixes (pure torch).
 
-`cascade_torch` is the pool's CPU path and the fallback while `polykv.kernels.dispatch` is not
-importable; `cascade_attention` picks the dispatch kernel when it exists (full-attention layers) and
-this module otherwise (always for sliding-window layers, which the kernel contract does not cover).
+`cascade_torch` is the pool's CPU path; `cascade_attention` picks `polykv.kernels.dispatch` when it
+runs a Triton kernel (full-attention layers) and `cascade_torch` otherwise (CPU, sliding-window layers,
+which the kernel contract does not cover, or when dispatch cannot be imported).
 
 Shapes (the kernel contract of `dispatch.cascade_attention`):
     q            [N, Hq, n_q, D]   N agents, n_q queries each (left-padded: real queries are last)
@@ -129,28 +129,32 @@ def cascade_torch(q: torch.Tensor, prefix_k: Packed, prefix_v: Packed, suffix_k:
 _DISPATCH = None
 
 
-def _dispatch_fn():
-    """`polykv.kernels.dispatch.cascade_attention` when importable, else the torch path."""
+def _dispatch_module():
+    """`polykv.kernels.dispatch` when importable (else None: the torch path is used)."""
     global _DISPATCH
     if _DISPATCH is None:
         try:
-            from ..kernels.dispatch import cascade_attention as fn  # noqa: PLC0415
-        except Exception:  # not landed yet / broken import: keep the torch path
-            fn = False
-        _DISPATCH = fn
+            from ..kernels import dispatch as mod  # noqa: PLC0415
+        except Exception:  # broken import: keep the torch path
+            mod = False
+        _DISPATCH = mod
     return _DISPATCH or None
 
 
 def cascade_attention(q, prefix_k, prefix_v, suffix_k, suffix_v, suffix_lens, k_codec, v_codec, *,
                       sm_scale=None, k_innerq=None, window=None, prefix_start=0, prefix_end=None,
                       backend: str = "auto"):
-    """Route to the kernel dispatch (full layers, backend auto/dispatch) or `cascade_torch`."""
-    fn = _dispatch_fn() if backend in ("auto", "dispatch") and window is None else None
-    if backend == "dispatch" and fn is None:
-        raise RuntimeError("polykv.kernels.dispatch.cascade_attention is not available")
-    if fn is not None:
-        return fn(q, prefix_k, prefix_v, suffix_k, suffix_v, suffix_lens.to(torch.int32), k_codec,
-                  v_codec, sm_scale=sm_scale, k_innerq=k_innerq)
+    """Route full-attention layers to `dispatch.cascade_attention` when it would run a Triton kernel
+    (CUDA tensors, or the interpreter in tests) — or always with backend="dispatch"; everything else
+    (CPU, sliding-window layers) runs `cascade_torch`, which decodes the prefix once per call for all
+    agents (dispatch's CPU reference expands the prefix per agent, which the pool must not do)."""
+    mod = _dispatch_module() if window is None and backend in ("auto", "dispatch") else None
+    if backend == "dispatch" and mod is None:
+        raise RuntimeError("polykv.kernels.dispatch.cascade_attention is not available here")
+    if mod is not None and (backend == "dispatch" or mod.use_triton(q, prefix_k.codes)):
+        return mod.cascade_attention(q, prefix_k, prefix_v, suffix_k, suffix_v,
+                                     suffix_lens.to(device=q.device, dtype=torch.int32), k_codec,
+                                     v_codec, sm_scale=sm_scale, k_innerq=k_innerq)
     return cascade_torch(q, prefix_k, prefix_v, suffix_k, suffix_v, suffix_lens, k_codec, v_codec,
                          sm_scale=sm_scale, k_innerq=k_innerq, window=window,
                          prefix_start=prefix_start, prefix_end=prefix_end)

@@ -1,0 +1,218 @@
+"""SharedKVPool on a tiny random Llama (fast, CPU): correctness vs the plain model, batching
+equivalence, lifecycle, persistence, threads."""
+
+import json
+import threading
+import warnings
+
+import pytest
+import torch
+
+from polykv.pool import DocumentInUseError, PoolFormatError, SharedKVPool
+
+from .conftest import CharTok, tiny_llama
+
+DOC = list(range(3, 60)) + list(range(10, 40))  # 87 tokens
+
+
+def _tv(p_logits, q_logits):
+    return 0.5 * (torch.softmax(p_logits, -1) - torch.softmax(q_logits, -1)).abs().sum().item()
+
+
+def test_f16_pool_matches_full_forward(tiny):
+    """With f16 storage the cascade must reproduce a plain forward over doc + suffix (positions,
+    masking, per-agent lengths, removal/compaction)."""
+    model, tok = tiny
+    pool = SharedKVPool(model, tok, k="f16", v="f16", prefill_chunk=16)
+    doc = pool.add_document(DOC)
+    sufs = [[5, 6, 7], [8, 9, 10, 11, 12], [3]]
+    with pool.open_batch(doc) as b:
+        aids = [b.add(s) for s in sufs]
+        lg = b.step()
+        b.feed({aids[0]: 20, aids[1]: 21})
+        lg2 = b.step()
+        b.remove(aids[0])
+        b.feed({aids[2]: 30, aids[1]: 31})
+        lg3 = b.step()
+    with torch.no_grad():
+        def ref(ids):
+            return model(torch.tensor([DOC + ids])).logits[0, -1]
+        for a, s in zip(aids, sufs):
+            torch.testing.assert_close(lg[a], ref(s), atol=1e-3, rtol=0)
+        torch.testing.assert_close(lg2[aids[0]], ref(sufs[0] + [20]), atol=1e-3, rtol=0)
+        torch.testing.assert_close(lg3[aids[1]], ref(sufs[1] + [21, 31]), atol=1e-3, rtol=0)
+        torch.testing.assert_close(lg3[aids[2]], ref(sufs[2] + [30]), atol=1e-3, rtol=0)
+    assert pool.documents()[0]["refs"] == 0
+
+
+def test_sliding_window_layers_match_full_forward():
+    """Gemma-3-style sliding layers: the pool keeps only window-1 prefix rows and still matches."""
+    from transformers import Gemma3ForCausalLM, Gemma3TextConfig
+
+    torch.manual_seed(0)
+    cfg = Gemma3TextConfig(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=3,
+                           num_attention_heads=2, num_key_value_heads=1, head_dim=32, sliding_window=8,
+                           layer_types=["sliding_attention", "sliding_attention", "full_attention"],
+                           max_position_embeddings=512, pad_token_id=0, eos_token_id=1, bos_token_id=2)
+    model = Gemma3ForCausalLM(cfg).eval()
+    pool = SharedKVPool(model, CharTok(), k="f16", v="f16", prefill_chunk=8)
+    doc_ids = list(range(3, 33))
+    doc = pool.add_document(doc_ids)
+    d = pool._docs[doc]
+    assert d.layers[0].length == 7 and d.prefix_start[0] == 23 and d.layers[2].length == 30
+    with pool.open_batch(doc) as b:
+        a1, a2 = b.add([40, 41, 42, 43, 44, 45, 46, 47, 48, 49]), b.add([50])
+        lg = b.step()
+        b.feed({a2: 51})
+        lg2 = b.step()
+    with torch.no_grad():
+        ref1 = model(torch.tensor([doc_ids + list(range(40, 50))])).logits[0, -1]
+        ref2 = model(torch.tensor([doc_ids + [50, 51]])).logits[0, -1]
+    torch.testing.assert_close(lg[a1], ref1, atol=1e-3, rtol=0)
+    torch.testing.assert_close(lg2[a2], ref2, atol=1e-3, rtol=0)
+
+
+def test_batched_agents_equal_one_at_a_time(tiny):
+    """DESIGN §7 TV metric: batched (different suffix lengths in one batch) vs each agent alone."""
+    model, tok = tiny
+    pool = SharedKVPool(model, tok, k="q8_0", v="turbo3", prefill_chunk=32)
+    doc = pool.add_document(DOC)
+    prompts = [[5, 6, 7], [8, 9, 10, 11, 12, 13, 14], [3], [20, 21]]
+    batched = pool.generate(doc, prompts, max_new_tokens=6)
+    single = [pool.generate(doc, [p], max_new_tokens=6)[0] for p in prompts]
+    assert batched == single
+    # teacher-forced logits: TV per position
+    tvs = []
+    with pool.open_batch(doc) as b:
+        aids = [b.add(p) for p in prompts]
+        lb = [b.step()]
+        for t in range(3):
+            b.feed({a: 40 + t for a in aids})
+            lb.append(b.step())
+    for i, p in enumerate(prompts):
+        with pool.open_batch(doc) as b:
+            a = b.add(p)
+            ls = [b.step()[a]]
+            for t in range(3):
+                b.feed({a: 40 + t})
+                ls.append(b.step()[a])
+        tvs += [_tv(lb[s][aids[i]], ls[s]) for s in range(4)]
+    assert max(tvs) < 1e-4, tvs
+
+
+def test_save_load_roundtrip_and_refusals(tiny, tmp_path):
+    model, tok = tiny
+    pool = SharedKVPool(model, tok, k="q8_0", v="turbo3", prefill_chunk=32)
+    doc = pool.add_document(DOC, name="d")
+    prompts = [[5, 6, 7], [8, 9]]
+    want = pool.generate(doc, prompts, max_new_tokens=5)
+    pool.save(tmp_path / "p")
+    loaded = SharedKVPool.load(tmp_path / "p", model, tok)
+    assert loaded.documents()[0]["tokens"] == len(DOC)
+    assert loaded.documents()[0]["bytes"] == pool.documents()[0]["bytes"]
+    assert loaded.generate(doc, prompts, max_new_tokens=5) == want
+
+    # a different model
+    with pytest.raises(PoolFormatError, match="different model"):
+        SharedKVPool.load(tmp_path / "p", tiny_llama(seed=1), tok)
+    # manifest edited
+    m = json.loads((tmp_path / "p" / "manifest.json").read_text())
+    m["tokenizer_fingerprint"] = "0" * 64
+    (tmp_path / "p" / "manifest.json").write_text(json.dumps(m))
+    with pytest.raises(PoolFormatError, match="tokenizer"):
+        SharedKVPool.load(tmp_path / "p", model, tok)
+    # truncated tensor file
+    pool.save(tmp_path / "q")
+    f = tmp_path / "q" / "pool.safetensors"
+    f.write_bytes(f.read_bytes()[:-100])
+    with pytest.raises(PoolFormatError, match="truncated"):
+        SharedKVPool.load(tmp_path / "q", model, tok)
+    # corrupted byte, same size
+    pool.save(tmp_path / "r")
+    f = tmp_path / "r" / "pool.safetensors"
+    b = bytearray(f.read_bytes())
+    b[-5] ^= 0xFF
+    f.write_bytes(bytes(b))
+    with pytest.raises(PoolFormatError, match="corrupted"):
+        SharedKVPool.load(tmp_path / "r", model, tok)
+
+
+def test_refcount_eviction_reprefill(tiny):
+    model, tok = tiny
+    pool = SharedKVPool(model, tok, prefill_chunk=32)
+    a = pool.add_document(DOC, name="a")
+    one = pool.documents()[0]["bytes"]
+    pool.budget_bytes = int(one * 1.5)  # room for one document
+    want = pool.generate(a, [[5, 6]], max_new_tokens=4)
+    batch = pool.open_batch(a)
+    assert pool.documents()[0]["refs"] == 1
+    with pytest.raises(DocumentInUseError):
+        pool.remove_document(a)
+    with pytest.warns(UserWarning, match="in use"):
+        b = pool.add_document(DOC[::-1], name="b")  # a is in use: not evicted, over budget
+    assert all(d["resident"] for d in pool.documents())
+    batch.close()  # releasing `a` makes it the most recently used: `b` is the LRU victim
+    res = {d["id"]: d["resident"] for d in pool.documents()}
+    assert res[a] and not res[b]
+    with pytest.warns(UserWarning, match="evicted; re-prefilling"):
+        pool.generate(b, [[5, 6]], max_new_tokens=2)  # b back, a (unreferenced, LRU) out
+    res = {d["id"]: d["resident"] for d in pool.documents()}
+    assert res[b] and not res[a]
+    with pytest.warns(UserWarning, match="evicted; re-prefilling"):
+        again = pool.generate(a, [[5, 6]], max_new_tokens=4)
+    assert again == want  # exact re-prefill from the kept token ids
+    pool.remove_document(b)
+    assert [d["id"] for d in pool.documents()] == [a]
+    rep = pool.memory_report()
+    assert rep["kv_bytes_shared"] == one and rep["kv_bytes_agents"] == 0 and rep["ratio"] > 2
+
+
+def test_memory_report_counts_live_agents(tiny):
+    model, tok = tiny
+    pool = SharedKVPool(model, tok, prefill_chunk=32)
+    doc = pool.add_document(DOC)
+    with pool.open_batch(doc, capacity=3, seq_capacity=8) as b:
+        for p in ([5, 6], [7], [8, 9, 10]):
+            b.add(p)
+        b.step()
+        rep = pool.memory_report()
+        assert rep["agents"] == 3 and rep["kv_bytes_agents"] == b.nbytes() > 0
+        assert rep["kv_bytes_agents"] < rep["kv_bytes_shared"]
+    assert pool.memory_report()["kv_bytes_agents"] == 0
+
+
+def test_two_threads_generate(tiny):
+    model, tok = tiny
+    pool = SharedKVPool(model, tok, prefill_chunk=32)
+    doc = pool.add_document(DOC)
+    p1, p2 = [[5, 6, 7], [9]], [[11, 12], [13, 14, 15, 16]]
+    want = [pool.generate(doc, p1, max_new_tokens=5), pool.generate(doc, p2, max_new_tokens=5)]
+    got, errs = [None, None], []
+
+    def run(i, p):
+        try:
+            for _ in range(3):
+                got[i] = pool.generate(doc, p, max_new_tokens=5)
+        except Exception as e:  # noqa: BLE001
+            errs.append(e)
+
+    ts = [threading.Thread(target=run, args=(0, p1)), threading.Thread(target=run, args=(1, p2))]
+    for t in ts:
+        t.start()
+    for t in ts:
+        t.join()
+    assert not errs and got == want
+    assert pool.documents()[0]["refs"] == 0
+
+
+def test_sampling_seeded_and_stop(tiny):
+    model, tok = tiny
+    pool = SharedKVPool(model, tok, prefill_chunk=32)
+    doc = pool.add_document(DOC)
+    a = pool.generate(doc, [[5, 6]] * 3, max_new_tokens=8, temperature=1.0, top_p=0.9, top_k=20, seed=7)
+    b = pool.generate(doc, [[5, 6]] * 3, max_new_tokens=8, temperature=1.0, top_p=0.9, top_k=20, seed=7)
+    assert a == b
+    full = pool.generate(doc, [[5, 6]], max_new_tokens=8)[0]
+    if len(full) > 3:
+        cut = pool.generate(doc, [[5, 6]], max_new_tokens=8, stop=[full[2:4]])[0]
+        assert cut == full[: full.index(full[2:4])].strip()
