@@ -1,7 +1,7 @@
 """Scheduling agents: continuous batching across documents, per-request sampling, streaming."""
 
 from .dense import DenseBatch, DensePool
-from .engine import Engine, EngineClosedError, Event, GenerationRequest, QueueFullError, RequestHandle
+from .engine import Engine, EngineClosedError, Event, GenerationRequest, KVBudgetExceeded, QueueFullError, RequestHandle
 from .sampling import Sampler, SamplingParams, StopChecker, sample_token
 
 __all__ = [
@@ -11,6 +11,7 @@ __all__ = [
     "EngineClosedError",
     "Event",
     "GenerationRequest",
+    "KVBudgetExceeded",
     "QueueFullError",
     "RequestHandle",
     "Sampler",

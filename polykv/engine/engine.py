@@ -26,6 +26,7 @@ import logging
 import queue
 import threading
 import time
+import warnings
 from collections import deque
 from dataclasses import dataclass, field
 from typing import Any, Callable
@@ -35,7 +36,8 @@ import torch
 from .dense import DenseBatch
 from .sampling import Sampler, SamplingParams, StopChecker
 
-__all__ = ["Engine", "EngineClosedError", "Event", "GenerationRequest", "QueueFullError", "RequestHandle"]
+__all__ = ["Engine", "EngineClosedError", "Event", "GenerationRequest", "KVBudgetExceeded", "QueueFullError",
+           "RequestHandle"]
 
 log = logging.getLogger(__name__)
 
@@ -46,6 +48,10 @@ class EngineClosedError(RuntimeError):
 
 class QueueFullError(RuntimeError):
     """Too many requests waiting; retry later."""
+
+
+class KVBudgetExceeded(MemoryError):
+    """Admitting this request (or adding this document) would exceed the pool's KV byte budget."""
 
 
 @dataclass
@@ -391,7 +397,7 @@ class Engine:
                     else:
                         if self.pool is None:
                             raise KeyError(req.document)
-                        batch = self.pool.open_batch(req.document)
+                        batch = self._open_batch(req.document)
                     self._batches[key] = batch
                 aid = batch.add(list(req.prompt_ids))
             except Exception as exc:
@@ -400,6 +406,21 @@ class Engine:
                 continue
             self._live[(key, aid)] = _Live(h, key, aid, set() if req.params.ignore_eos else self.eos_ids)
             n += 1
+
+    def _open_batch(self, document):
+        """pool.open_batch, turning the pool's "over budget" warning (every other document in use,
+        nothing left to evict) into KVBudgetExceeded so the request is refused, not over-committed."""
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            batch = self.pool.open_batch(document)
+        over = [w for w in caught if "budget" in str(w.message).lower()]
+        for w in caught:
+            if w not in over:
+                warnings.warn_explicit(w.message, w.category, w.filename, w.lineno)
+        if over:
+            batch.close()
+            raise KVBudgetExceeded(str(over[0].message))
+        return batch
 
     def _step_all(self) -> None:
         for key in list(self._batches):

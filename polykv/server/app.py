@@ -16,13 +16,14 @@ import json
 import logging
 import time
 import uuid
+import warnings
 from pathlib import Path
 from typing import Any
 
 from fastapi import FastAPI, Request
 from fastapi.responses import HTMLResponse, JSONResponse, Response, StreamingResponse
 
-from ..engine import Engine, EngineClosedError, GenerationRequest, QueueFullError, SamplingParams
+from ..engine import Engine, EngineClosedError, GenerationRequest, KVBudgetExceeded, QueueFullError, SamplingParams
 from .errors import APIError, install_error_handlers
 from .metrics import Metrics
 from .schemas import ChatRequest, CompletionRequest, DocumentRequest, message_text
@@ -45,7 +46,8 @@ def _is_budget_error(exc: BaseException) -> bool:
 
 def _is_unknown_doc(exc: BaseException) -> bool:
     name = type(exc).__name__.lower()
-    return isinstance(exc, KeyError) or ("unknown" in name and "doc" in name) or "notfound" in name
+    return (isinstance(exc, KeyError) or ("unknown" in name and "doc" in name) or "notfound" in name
+            or "unknown document" in str(exc).lower())
 
 
 class ServerState:
@@ -137,8 +139,25 @@ class ServerState:
         naive = _first(rep, "kv_bytes_naive_f16", "naive_bytes", "kv_bytes_naive", "bytes_naive_f16")
         rep.setdefault("kv_bytes_shared", shared or 0)
         rep.setdefault("kv_bytes_naive_f16", naive or 0)
+        self._agent_memory(rep)
         rep["ratio"] = round(rep["kv_bytes_naive_f16"] / rep["kv_bytes_shared"], 3) if rep["kv_bytes_shared"] else None
         return _jsonable(rep)
+
+    def _agent_memory(self, rep: dict) -> None:
+        """Naive bytes for the agents live now: each agent would hold its own f16 copy of its
+        document (per-document f16 bytes are the pool's measured figure), plus the suffixes."""
+        by_doc = self.engine.agents_by_document()
+        docs = getattr(self.pool, "_docs", None)
+        total = 0
+        for did, info in self.docs.items():
+            d = docs.get(info["_handle"]) if isinstance(docs, dict) else None
+            per = getattr(d, "naive_f16_bytes", None) if d is not None else None
+            if not isinstance(per, int):
+                continue
+            total += per * by_doc.get(info["_handle"], 0)
+        rep["kv_bytes_naive_f16_live_agents"] = total
+        rep.setdefault("kv_bytes_agents", 0)
+        rep["live_agents"] = self.engine.live_agents()
 
     async def memory(self, max_age: float = 1.0) -> dict:
         if time.monotonic() - self._mem_at > max_age:
@@ -262,7 +281,18 @@ def create_app(engine_or_pool, tok=None, *, model_name: str = "smollm2-135m", k:
                            param="text", code="context_length_exceeded")
 
         def add():
-            handle = state.pool.add_document(body.text, name=body.name)
+            known = {str(d["id"]) if isinstance(d, dict) else str(getattr(d, "id", d))
+                     for d in (state.pool.documents() if hasattr(state.pool, "documents") else [])}
+            with warnings.catch_warnings():  # "over budget" is answered with a 429 below
+                warnings.filterwarnings("ignore", message=".*budget.*")
+                handle = state.pool.add_document(body.text, name=body.name)
+            budget = getattr(state.pool, "budget_bytes", None)
+            if budget is not None and state.memory_sync().get("kv_bytes_shared", 0) > budget:
+                if str(handle) not in known:  # roll back: nothing else could be evicted to make room
+                    with contextlib.suppress(Exception):
+                        state.pool.remove_document(handle)
+                raise KVBudgetExceeded(f"document needs more KV memory than budget_bytes={budget} allows "
+                                       f"while the other documents are in use")
             info = state.doc_info(handle, body.name)
             info["_handle"] = handle
             state.docs[info["id"]] = info
@@ -324,7 +354,12 @@ def create_app(engine_or_pool, tok=None, *, model_name: str = "smollm2-135m", k:
                                code="unsupported_value")
             p = p[0]
         if isinstance(p, str):
-            ids = state.tok(p, add_special_tokens=body.document is None)["input_ids"] if p else []
+            if not p:
+                ids = []
+            elif body.document is not None:
+                ids = _suffix_ids(state, lookup(body.document)["_handle"], p)
+            else:
+                ids = state.tok(p)["input_ids"]
         else:
             vocab = len(state.tok)
             if any(t < 0 or t >= vocab for t in p):
@@ -344,7 +379,10 @@ def create_app(engine_or_pool, tok=None, *, model_name: str = "smollm2-135m", k:
             raise APIError(400, "logprobs are not supported", param="logprobs", code="unsupported_value")
         msgs = [{"role": "system" if m.role == "developer" else m.role, "content": message_text(m)}
                 for m in body.messages]
-        ids = _chat_ids(state.tok, msgs)
+        if body.document is not None:
+            ids = _chat_suffix_ids(state, lookup(body.document)["_handle"], msgs)
+        else:
+            ids = _chat_ids(state.tok, msgs)
         if body.max_completion_tokens is not None and body.max_tokens is None:
             body.max_tokens = body.max_completion_tokens
         return await _run(request, body, ids, chat=True, default_max=256)
@@ -391,7 +429,8 @@ def create_app(engine_or_pool, tok=None, *, model_name: str = "smollm2-135m", k:
         if top_p == 0.0:
             temperature, top_p = 0.0, 1.0
         params = SamplingParams(max_tokens=int(max_tokens), temperature=temperature, top_p=top_p,
-                                top_k=body.top_k or None, seed=body.seed, stop=stop)
+                                top_k=body.top_k or None, seed=body.seed, stop=stop,
+                                ignore_eos=bool(body.ignore_eos))
         rid = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex[:24]
         req = GenerationRequest(ids, params, document=doc_handle, request_id=rid)
         try:
@@ -531,7 +570,10 @@ def _map_exc(exc: BaseException, state: ServerState, param: str | None = None) -
         return exc
     if isinstance(exc, EngineClosedError):
         return APIError(503, "server is shutting down", code="shutting_down")
-    if isinstance(exc, QueueFullError) or _is_budget_error(exc):
+    if isinstance(exc, QueueFullError):
+        return APIError(429, f"server busy: {exc}", code="queue_full",
+                        headers={"Retry-After": str(state.retry_after_s)})
+    if _is_budget_error(exc):
         return APIError(429, f"KV memory budget exceeded: {exc}", code="kv_budget_exceeded",
                         headers={"Retry-After": str(state.retry_after_s)})
     if _is_unknown_doc(exc):
@@ -540,6 +582,50 @@ def _map_exc(exc: BaseException, state: ServerState, param: str | None = None) -
         return APIError(400, str(exc) or type(exc).__name__, param=param, code="invalid_value")
     log.error("request failed", exc_info=exc)
     return APIError(500, f"internal error: {type(exc).__name__}: {exc}", code="internal_error")
+
+
+_SENTINEL = "\u2063POLYKV\u2063SUFFIX\u2063"
+
+
+def _doc_is_chat(state: ServerState, handle) -> bool:
+    docs = getattr(state.pool, "_docs", None)
+    d = docs.get(handle) if isinstance(docs, dict) else None
+    return bool(getattr(d, "chat", False))
+
+
+def _suffix_ids(state: ServerState, handle, text: str) -> list[int]:
+    """An agent's own tokens after the document: the pool's convention when it has one (a chat
+    document's question continues its user turn and the turn is closed), plain tokens otherwise."""
+    fn = getattr(state.pool, "prompt_ids", None)
+    if fn is not None:
+        try:
+            return [int(t) for t in fn(handle, text)]
+        except (KeyError, LookupError) as exc:
+            raise APIError(404, f"Unknown document {handle!r}", param="document", code="document_not_found") from exc
+    return state.tok(text, add_special_tokens=False)["input_ids"]
+
+
+def _chat_suffix_ids(state: ServerState, handle, msgs: list[dict]) -> list[int]:
+    """Chat over a document. A chat document is the opening of the first user turn, so the request's
+    conversation is rendered with the document's place marked, and the suffix is everything after
+    it: system messages are folded into that first user turn (the prefix's system part is fixed)."""
+    tok = state.tok
+    if not (_doc_is_chat(state, handle) and getattr(tok, "chat_template", None)):
+        return _chat_ids(tok, msgs)
+    system = [m["content"] for m in msgs if m["role"] == "system"]
+    rest = [m for m in msgs if m["role"] != "system"]
+    if not rest or rest[0]["role"] != "user":
+        rest = [{"role": "user", "content": ""}] + rest
+    first = "\n\n".join(system + [rest[0]["content"]])
+    conv = [{"role": "user", "content": _SENTINEL + first}] + rest[1:]
+    try:
+        rendered = tok.apply_chat_template(conv, tokenize=False, add_generation_prompt=True)
+    except Exception as exc:
+        raise APIError(400, f"could not apply the chat template: {exc}", param="messages", code="invalid_value")
+    i = rendered.find(_SENTINEL)
+    if i < 0:
+        raise APIError(400, "the chat template altered the conversation", param="messages", code="invalid_value")
+    return tok(rendered[i + len(_SENTINEL):], add_special_tokens=False)["input_ids"]
 
 
 def _chat_ids(tok, msgs: list[dict]) -> list[int]:

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import time
 
-from fastapi import Request
 from fastapi.responses import Response
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
@@ -34,19 +33,35 @@ class Metrics:
                               "vs naive (f16 copy per agent)", ["kind"], registry=r)
 
     def install(self, app) -> None:
-        @app.middleware("http")
-        async def _count(request: Request, call_next):
-            t0 = time.perf_counter()
-            status = 500
-            try:
-                response = await call_next(request)
-                status = response.status_code
-                return response
-            finally:
-                route = request.scope.get("route")
-                path = getattr(route, "path", None) or "unmatched"
-                self.requests.labels(request.method if route else "other", path, str(status)).inc()
-                self.request_seconds.labels(path).observe(time.perf_counter() - t0)
+        owner = self
+
+        class _CountRequests:
+            """Pure ASGI middleware (BaseHTTPMiddleware would break request.is_disconnected())."""
+
+            def __init__(self, inner):
+                self.inner = inner
+
+            async def __call__(self, scope, receive, send):
+                if scope["type"] != "http":
+                    return await self.inner(scope, receive, send)
+                t0 = time.perf_counter()
+                status = {"code": 500}
+
+                async def send_wrapper(message):
+                    if message["type"] == "http.response.start":
+                        status["code"] = message["status"]
+                    await send(message)
+
+                try:
+                    await self.inner(scope, receive, send_wrapper)
+                finally:
+                    route = scope.get("route")
+                    path = getattr(route, "path", None) or "unmatched"
+                    method = scope.get("method", "GET") if route is not None else "other"
+                    owner.requests.labels(method, path, str(status["code"])).inc()
+                    owner.request_seconds.labels(path).observe(time.perf_counter() - t0)
+
+        app.add_middleware(_CountRequests)
 
         @app.get("/metrics", tags=["ops"], response_class=Response)
         async def metrics():

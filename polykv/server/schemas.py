@@ -34,6 +34,7 @@ class _Sampling(_Body):
     presence_penalty: _Num | None = Field(None, ge=-2, le=2)
     frequency_penalty: _Num | None = Field(None, ge=-2, le=2)
     document: StrictStr | None = Field(None, description="polykv: id of a shared document (prefix).")
+    ignore_eos: StrictBool | None = Field(False, description="polykv: keep generating past EOS.")
 
 
 class CompletionRequest(_Sampling):

@@ -115,7 +115,8 @@ def test_health_metrics_status(server, client, doc):
 def test_disconnect_cancels_agent(server, doc):
     import time
 
-    body = {"prompt": "Endless", "max_tokens": 900, "temperature": 0, "stream": True, "document": doc["id"]}
+    body = {"prompt": "Endless", "max_tokens": 900, "temperature": 0, "stream": True, "document": doc["id"],
+            "ignore_eos": True}
     with httpx.stream("POST", server.url + "/v1/completions", json=body, timeout=60) as r:
         it = r.iter_lines()
         next(it)
