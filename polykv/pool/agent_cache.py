@@ -16,7 +16,7 @@ active and returns the new rows; `attend(module, query, ...)` returns [B, q_len,
 from __future__ import annotations
 
 import torch
-from transformers.cache_utils import Cache
+from transformers.cache_utils import Cache, DynamicCache
 
 from ..cache.layer import CompressedLayer
 from ..codecs import Packed
@@ -40,6 +40,26 @@ def _decode_true(layer: CompressedLayer, start: int, stop: int) -> tuple[torch.T
     if layer.key_scales is not None:
         k = k / layer.key_scales[None, :, None, :]
     return k, layer.v_codec.decode(layer.v.index(sl)).float()
+
+
+class F16DynamicCache(DynamicCache):
+    """A transformers DynamicCache whose tensors are stored as float16 while the model computes in its
+    own dtype: the naive per-agent baseline of the memory figures (real tensors, measured)."""
+
+    def update(self, key_states, value_states, layer_idx, *args, **kwargs):
+        dtype = key_states.dtype
+        k, v = super().update(key_states.to(torch.float16), value_states.to(torch.float16), layer_idx,
+                              *args, **kwargs)
+        return k.to(dtype), v.to(dtype)
+
+    def tensors(self) -> list[torch.Tensor]:
+        out = []
+        for lay in self.layers:
+            for name in ("keys", "values"):
+                t = getattr(lay, name, None)
+                if isinstance(t, torch.Tensor):
+                    out.append(t)
+        return out
 
 
 class PrefillCache(Cache):

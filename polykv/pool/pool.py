@@ -127,6 +127,23 @@ class SharedKVPool:
             rendered template up to the document text + "\\n\\n"; each agent's question continues the
             same user turn (`prompt_ids`).
         """
+        ids, chat, tail = self._doc_tokens(text_or_ids, chat_template)
+        doc_id = "doc-" + ids_sha256(ids)[:16]
+        with self._lock:
+            doc = self._docs.get(doc_id)
+            if doc is None:
+                doc = _Document(doc_id, name, ids, chat, tail)
+                self._docs[doc_id] = doc
+            elif name and not doc.name:
+                doc.name = name
+            doc.last_used = time.monotonic()
+            if not doc.resident:
+                self._prefill(doc)
+                self._enforce_budget(keep=doc_id)
+        return doc_id
+
+    def _doc_tokens(self, text_or_ids, chat_template: bool | None = None) -> tuple[list[int], bool, str]:
+        """(prefix token ids, chat?, tail) of a document (see add_document)."""
         from .prompting import chat_split
 
         chat, tail = False, ""
@@ -142,19 +159,7 @@ class SharedKVPool:
             ids = [int(t) for t in (text_or_ids.tolist() if torch.is_tensor(text_or_ids) else text_or_ids)]
         if not ids:
             raise ValueError("empty document")
-        doc_id = "doc-" + ids_sha256(ids)[:16]
-        with self._lock:
-            doc = self._docs.get(doc_id)
-            if doc is None:
-                doc = _Document(doc_id, name, ids, chat, tail)
-                self._docs[doc_id] = doc
-            elif name and not doc.name:
-                doc.name = name
-            doc.last_used = time.monotonic()
-            if not doc.resident:
-                self._prefill(doc)
-                self._enforce_budget(keep=doc_id)
-        return doc_id
+        return ids, chat, tail
 
     def remove_document(self, doc: str) -> None:
         """Forget a document. Refuses (DocumentInUseError) while agent batches hold it."""
@@ -210,14 +215,28 @@ class SharedKVPool:
                                                  s.num_kv_heads, self.device, scales))
         return out
 
-    @torch.no_grad()
-    def _prefill(self, doc: _Document, measure_f16: bool = True) -> None:
-        from transformers import DynamicCache
+    def _add_document_with_f16(self, text_or_ids, name: str | None = None, chat_template=None):
+        """(doc id, the real f16 DynamicCache built during this document's prefill) — for
+        benchmarks that allocate naive per-agent copies. Always prefills (drops a resident copy)."""
+        ids, chat, tail = self._doc_tokens(text_or_ids, chat_template)
+        doc_id = "doc-" + ids_sha256(ids)[:16]
+        with self._lock:
+            doc = self._docs.get(doc_id) or _Document(doc_id, name, list(ids), chat, tail)
+            if doc.refs:
+                raise DocumentInUseError(f"document {doc_id!r} is in use")
+            self._docs[doc_id] = doc
+            doc.last_used = time.monotonic()
+            out = []
+            self._prefill(doc, shadow_out=out)
+            self._enforce_budget(keep=doc_id)
+        return doc_id, out[0]
 
-        from .agent_cache import PrefillCache, dummy_mask
+    @torch.no_grad()
+    def _prefill(self, doc: _Document, measure_f16: bool = True, shadow_out: list | None = None) -> None:
+        from .agent_cache import F16DynamicCache, PrefillCache, dummy_mask
 
         layers = self._new_layers()
-        shadow = DynamicCache(config=self.model.config) if measure_f16 else None
+        shadow = F16DynamicCache(config=self.model.config) if measure_f16 else None
         cache = PrefillCache(layers, self._windows, shadow)
         ids = torch.tensor(doc.ids, dtype=torch.long)
         n, C = len(doc.ids), self.prefill_chunk
@@ -242,6 +261,8 @@ class SharedKVPool:
             doc.naive_f16_bytes = storage_bytes(
                 [t for lay in shadow.layers for t in (getattr(lay, "keys", None), getattr(lay, "values", None))
                  if isinstance(t, torch.Tensor)])
+            if shadow_out is not None:
+                shadow_out.append(shadow)
             del shadow
 
     # --- agents ------------------------------------------------------------------------------
@@ -347,6 +368,7 @@ class SharedKVPool:
             texts.append(s.strip())
         self.last_generate = dict(agents=len(prompts), steps=steps, suffix_tokens=[len(s) for s in suffixes],
                                   new_tokens=[len(outs[a]) for a in aids], kv_bytes_agents_peak=peak,
+                                  suffix_ids=suffixes, answer_ids=[list(outs[a]) for a in aids],
                                   seconds=time.perf_counter() - t0)
         return texts
 
