@@ -165,13 +165,16 @@ TUNE_BEST: dict = {}
 @section("tune")
 def tune():
     """Small sweep of the decode kernel's launch parameters at 64k, K q8_0 / V turbo3."""
-    cfgs = [dict(block_n=bn, num_warps=w, num_stages=s, target_programs=t)
-            for bn, w, s, t in [(64, 4, 2, 528), (64, 4, 3, 528), (32, 4, 2, 528),
-                                (128, 4, 2, 528), (64, 8, 2, 528), (64, 4, 2, 264),
-                                (64, 4, 2, 1056), (128, 8, 3, 528), (32, 2, 3, 1056)]]
+    cfgs = [dict(block_n=bn, num_warps=w, num_stages=s, target_programs=t, lut=lut)
+            for bn, w, s, t, lut in [(32, 4, 2, 528, "select"), (64, 4, 2, 528, "select"),
+                                     (32, 4, 2, 528, "gather"), (64, 4, 2, 264, "select"),
+                                     (128, 4, 2, 528, "select"), (32, 4, 3, 528, "select")]]
     best = None
     for cfg in cfgs:
         r = bench_one(65536, 1, "q8_0", "turbo3", sdpa=False, tune=cfg)
+        r2 = bench_one(65536, 1, "turbo4", "turbo3", sdpa=False, tune=cfg)
+        log(f"   turbo4/turbo3 {r2['ms'] * 1e3:.1f} us")
+        RES["tune"].append(dict(cfg=cfg, pair="turbo4/turbo3", ms=r2["ms"]))
         RES["tune"].append(dict(cfg=cfg, ms=r["ms"], gbps=r["gbps"]))
         log(f"tune {cfg} {r['ms'] * 1e3:.1f} us {r['gbps']:.0f} GB/s")
         if best is None or r["ms"] < best[0]:
@@ -199,8 +202,7 @@ CASCADE_BEST: dict = {}
 @section("tune_cascade")
 def tune_cascade():
     best = None
-    for pbm, w, bn, st in [(128, 8, 64, 2), (128, 8, 32, 2), (128, 8, 64, 3), (64, 4, 64, 2),
-                           (64, 8, 64, 2), (128, 4, 64, 2), (64, 4, 32, 3)]:
+    for pbm, w, bn, st in [(128, 4, 64, 2), (128, 8, 64, 2), (128, 4, 32, 2)]:
         cfg = dict(prefix_block_m=pbm, num_warps=w, block_n=bn, num_stages=st)
         r = bench_one(65536, 32, "q8_0", "turbo3", suffix=128, sdpa=False, tune=cfg)
         RES["tune"].append(dict(cascade=True, cfg=cfg, ms=r["ms"], gbps=r["gbps"]))

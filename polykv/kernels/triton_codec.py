@@ -64,8 +64,9 @@ def load_tile(codes_ptr, scales_ptr, row_off, srow_off, nmask, C: tl.constexpr,
     elif KIND == 1:
         b0 = tl.load(codes_ptr + row_off[:, None] + c[None, :], mask=m2, other=0).to(tl.float32)
         b1 = b0
-        sc = tl.load(scales_ptr + srow_off[:, None] + (c // 32)[None, :], mask=m2,
-                     other=0.0).to(tl.float32)
+        nb = tl.arange(0, C // 32)
+        sc = tl.load(scales_ptr + srow_off[:, None] + nb[None, :], mask=m2,
+                     other=0.0).to(tl.float32)  # [BN, NB]: broadcast in sub_values
     elif KIND == 2:
         b0 = tl.load(codes_ptr + row_off[:, None] + c[None, :], mask=m2, other=0).to(tl.int32)
         b1 = b0
@@ -80,24 +81,33 @@ def load_tile(codes_ptr, scales_ptr, row_off, srow_off, nmask, C: tl.constexpr,
         hi_off = g * GB + Q4 + j // 2
         b0 = tl.load(codes_ptr + row_off[:, None] + lo_off[None, :], mask=m2, other=0).to(tl.int32)
         b1 = tl.load(codes_ptr + row_off[:, None] + hi_off[None, :], mask=m2, other=0).to(tl.int32)
-        sc = tl.load(scales_ptr + srow_off[:, None] + g[None, :], mask=m2, other=0.0).to(tl.float32)
+        if C == Q4:  # one group per row: one norm per row, no gather
+            sc = tl.load(scales_ptr + srow_off, mask=nmask, other=0.0).to(tl.float32)[:, None]
+        else:
+            sc = tl.load(scales_ptr + srow_off[:, None] + g[None, :], mask=m2,
+                         other=0.0).to(tl.float32)
     else:
         CPG: tl.constexpr = G * BITS // 8  # columns (bytes) per group
         b0 = tl.load(codes_ptr + row_off[:, None] + c[None, :], mask=m2, other=0).to(tl.int32)
         b1 = b0
-        sc = tl.load(scales_ptr + srow_off[:, None] + (c // CPG)[None, :], mask=m2,
-                     other=0.0).to(tl.float32)
+        if C == CPG:
+            sc = tl.load(scales_ptr + srow_off, mask=nmask, other=0.0).to(tl.float32)[:, None]
+        else:
+            sc = tl.load(scales_ptr + srow_off[:, None] + (c // CPG)[None, :], mask=m2,
+                         other=0.0).to(tl.float32)
     return b0, b1, sc
 
 
 @triton.jit
 def sub_values(b0, b1, sc, cent_ptr, K: tl.constexpr, C: tl.constexpr, KIND: tl.constexpr,
-               BITS: tl.constexpr, G: tl.constexpr):
+               BITS: tl.constexpr, G: tl.constexpr, LUT_SELECT: tl.constexpr = True):
     """Float32 values [BN, C] of sub-tensor K of a tile loaded by load_tile."""
     if KIND == 0:
         val = b0
     elif KIND == 1:
-        val = b0 * sc
+        BN: tl.constexpr = b0.shape[0]
+        NB: tl.constexpr = C // 32
+        val = tl.reshape(tl.reshape(b0, [BN, NB, 32]) * sc[:, :, None], [BN, C])
     elif KIND == 2:
         q = ((b0 >> (4 * K)) & 15) - 8
         val = q.to(tl.float32) * sc
@@ -113,5 +123,32 @@ def sub_values(b0, b1, sc, cent_ptr, K: tl.constexpr, C: tl.constexpr, KIND: tl.
             c = tl.arange(0, C)
             hs = 4 * ((c % Q4) % 2) + K
             idx = ((b0 >> (2 * K)) & 3) | (((b1 >> hs[None, :]) & 1) << 2)
-        val = tl.load(cent_ptr + idx) * sc
+        if LUT_SELECT and BITS <= 4:
+            val = _lut(idx, cent_ptr, BITS) * sc
+        else:
+            val = tl.load(cent_ptr + idx) * sc
     return val
+
+
+@triton.jit
+def _lut8(idx, cent_ptr, base: tl.constexpr, BITS: tl.constexpr):
+    """cent[base + (idx & 7)] (or & 3 for BITS == 2) by a tree of selects: no memory gather."""
+    b0 = (idx & 1) != 0
+    b1 = (idx & 2) != 0
+    v01 = tl.where(b0, tl.load(cent_ptr + base + 1), tl.load(cent_ptr + base + 0))
+    v23 = tl.where(b0, tl.load(cent_ptr + base + 3), tl.load(cent_ptr + base + 2))
+    v = tl.where(b1, v23, v01)
+    if BITS >= 3:
+        v45 = tl.where(b0, tl.load(cent_ptr + base + 5), tl.load(cent_ptr + base + 4))
+        v67 = tl.where(b0, tl.load(cent_ptr + base + 7), tl.load(cent_ptr + base + 6))
+        v = tl.where((idx & 4) != 0, tl.where(b1, v67, v45), v)
+    return v
+
+
+@triton.jit
+def _lut(idx, cent_ptr, BITS: tl.constexpr):
+    if BITS == 4:
+        v = tl.where((idx & 8) != 0, _lut8(idx, cent_ptr, 8, 3), _lut8(idx, cent_ptr, 0, 3))
+    else:
+        v = _lut8(idx, cent_ptr, 0, BITS)
+    return v

@@ -47,7 +47,8 @@ def _decode_kernel(
         D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
         K_KIND: tl.constexpr, K_BITS: tl.constexpr, K_G: tl.constexpr, K_PER: tl.constexpr,
         V_KIND: tl.constexpr, V_BITS: tl.constexpr, V_G: tl.constexpr, V_PER: tl.constexpr,
-        CAUSAL: tl.constexpr, HAS_WINDOW: tl.constexpr, DOT_BF16: tl.constexpr):
+        CAUSAL: tl.constexpr, HAS_WINDOW: tl.constexpr, DOT_BF16: tl.constexpr,
+        LUT: tl.constexpr):
     pid_bh = tl.program_id(0)
     pid_s = tl.program_id(1)
     pid_m = tl.program_id(2)
@@ -92,15 +93,15 @@ def _decode_kernel(
         # ---- scores
         kb0, kb1, ksc = load_tile(KC, KS, kbase + on * sks, ksbase + on * skss, nmask, CK,
                                   K_KIND, K_BITS, K_G)
-        k0 = sub_values(kb0, kb1, ksc, KCENT, 0, CK, K_KIND, K_BITS, K_G).to(DT)
+        k0 = sub_values(kb0, kb1, ksc, KCENT, 0, CK, K_KIND, K_BITS, K_G, LUT).to(DT)
         s = tl.dot(q0, tl.trans(k0))
         if K_PER > 1:
-            k1 = sub_values(kb0, kb1, ksc, KCENT, 1, CK, K_KIND, K_BITS, K_G).to(DT)
+            k1 = sub_values(kb0, kb1, ksc, KCENT, 1, CK, K_KIND, K_BITS, K_G, LUT).to(DT)
             s += tl.dot(q1, tl.trans(k1))
         if K_PER > 2:
-            k2 = sub_values(kb0, kb1, ksc, KCENT, 2, CK, K_KIND, K_BITS, K_G).to(DT)
+            k2 = sub_values(kb0, kb1, ksc, KCENT, 2, CK, K_KIND, K_BITS, K_G, LUT).to(DT)
             s += tl.dot(q2, tl.trans(k2))
-            k3 = sub_values(kb0, kb1, ksc, KCENT, 3, CK, K_KIND, K_BITS, K_G).to(DT)
+            k3 = sub_values(kb0, kb1, ksc, KCENT, 3, CK, K_KIND, K_BITS, K_G, LUT).to(DT)
             s += tl.dot(q3, tl.trans(k3))
         s = s * qk_scale
         vis = nmask[None, :] & rmask[:, None]
@@ -120,15 +121,15 @@ def _decode_kernel(
         # ---- values
         vb0, vb1, vsc = load_tile(VC, VS, vbase + on * svs, vsbase + on * svss, nmask, CV,
                                   V_KIND, V_BITS, V_G)
-        v0 = sub_values(vb0, vb1, vsc, VCENT, 0, CV, V_KIND, V_BITS, V_G).to(DT)
+        v0 = sub_values(vb0, vb1, vsc, VCENT, 0, CV, V_KIND, V_BITS, V_G, LUT).to(DT)
         acc0 = acc0 * alpha[:, None] + tl.dot(pd, v0)
         if V_PER > 1:
-            v1 = sub_values(vb0, vb1, vsc, VCENT, 1, CV, V_KIND, V_BITS, V_G).to(DT)
+            v1 = sub_values(vb0, vb1, vsc, VCENT, 1, CV, V_KIND, V_BITS, V_G, LUT).to(DT)
             acc1 = acc1 * alpha[:, None] + tl.dot(pd, v1)
         if V_PER > 2:
-            v2 = sub_values(vb0, vb1, vsc, VCENT, 2, CV, V_KIND, V_BITS, V_G).to(DT)
+            v2 = sub_values(vb0, vb1, vsc, VCENT, 2, CV, V_KIND, V_BITS, V_G, LUT).to(DT)
             acc2 = acc2 * alpha[:, None] + tl.dot(pd, v2)
-            v3 = sub_values(vb0, vb1, vsc, VCENT, 3, CV, V_KIND, V_BITS, V_G).to(DT)
+            v3 = sub_values(vb0, vb1, vsc, VCENT, 3, CV, V_KIND, V_BITS, V_G, LUT).to(DT)
             acc3 = acc3 * alpha[:, None] + tl.dot(pd, v3)
 
     has = l_i > 0
@@ -202,7 +203,8 @@ def num_programs_target(device) -> int:
 def decode_prepared(qp: torch.Tensor, n_q: int, k: Packed, v: Packed, k_codec, v_codec,
                     kv_lens: torch.Tensor, *, causal: bool, window: int | None, sm_scale: float,
                     block_m_max: int = 64, target_programs: int | None = None,
-                    num_warps: int | None = None, num_stages: int = 2, block_n: int | None = None):
+                    num_warps: int | None = None, num_stages: int = 2, block_n: int | None = None,
+                    lut: str = "select"):
     """qp: float32 [B, Hkv, M, D] contiguous, already in K's storage domain (rotated / InnerQ-
     divided), rows r = head_in_group * n_q + j. k, v: Packed leading [B or 1, Hkv, S_cap].
     Returns out float32 [B, Hkv, M, D] in V's storage domain, lse float32 [B, Hkv, M]."""
@@ -235,7 +237,7 @@ def decode_prepared(qp: torch.Tensor, n_q: int, k: Packed, v: Packed, k_codec, v
         D=D, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N,
         K_KIND=km["KIND"], K_BITS=km["BITS"], K_G=km["G"], K_PER=km["PER"],
         V_KIND=vm["KIND"], V_BITS=vm["BITS"], V_G=vm["G"], V_PER=vm["PER"],
-        CAUSAL=bool(causal), HAS_WINDOW=window is not None, DOT_BF16=bf16,
+        CAUSAL=bool(causal), HAS_WINDOW=window is not None, DOT_BF16=bf16, LUT=lut == "select",
         num_warps=num_warps, num_stages=num_stages)
     out = torch.empty(B, Hkv, M, D, dtype=torch.float32, device=dev)
     lse = torch.empty(B, Hkv, M, dtype=torch.float32, device=dev)
