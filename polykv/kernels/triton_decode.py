@@ -219,7 +219,9 @@ def decode_prepared(qp: torch.Tensor, n_q: int, k: Packed, v: Packed, k_codec, v
     bf16 = False  # fp16 operands: bf16 K/V values convert exactly within fp16 range
     BLOCK_M = max(16, min(block_m_max, triton.next_power_of_2(M)))
     n_mt = triton.cdiv(M, BLOCK_M)
-    BLOCK_N = block_n or _block_n(D)
+    # measured on H200 (docs/kernels_notes.md v3): decode tiles (<= 16 rows) like BLOCK_N 128 at
+    # head_dim <= 128; the 128-row cascade prefix tile likes 64
+    BLOCK_N = block_n or (128 if BLOCK_M <= 16 and D <= 128 else _block_n(D))
     if num_warps is None:
         num_warps = 8 if BLOCK_M >= 64 else 4
     target = target_programs or num_programs_target(dev)
