@@ -144,19 +144,22 @@ class ServerState:
         return _jsonable(rep)
 
     def _agent_memory(self, rep: dict) -> None:
-        """Naive bytes for the agents live now: each agent would hold its own f16 copy of its
-        document (per-document f16 bytes are the pool's measured figure), plus the suffixes."""
+        """Naive bytes with the agents live now: every agent would hold its own f16 copy of its
+        document (the per-document f16 bytes are the pool's measured figure); a document without
+        agents counts once. `ratio_live` compares that with shared prefixes + private suffixes."""
         by_doc = self.engine.agents_by_document()
         docs = getattr(self.pool, "_docs", None)
-        total = 0
-        for did, info in self.docs.items():
+        total, known = 0, False
+        for info in self.docs.values():
             d = docs.get(info["_handle"]) if isinstance(docs, dict) else None
             per = getattr(d, "naive_f16_bytes", None) if d is not None else None
-            if not isinstance(per, int):
-                continue
-            total += per * by_doc.get(info["_handle"], 0)
-        rep["kv_bytes_naive_f16_live_agents"] = total
+            if isinstance(per, int) and getattr(d, "resident", True):
+                known = True
+                total += per * max(1, by_doc.get(info["_handle"], 0))
         rep.setdefault("kv_bytes_agents", 0)
+        rep["kv_bytes_naive_f16_agents"] = total if known else rep.get("kv_bytes_naive_f16", 0)
+        used = rep.get("kv_bytes_shared", 0) + rep.get("kv_bytes_agents", 0)
+        rep["ratio_live"] = round(rep["kv_bytes_naive_f16_agents"] / used, 3) if used else None
         rep["live_agents"] = self.engine.live_agents()
 
     async def memory(self, max_age: float = 1.0) -> dict:

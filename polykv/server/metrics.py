@@ -29,8 +29,9 @@ class Metrics:
         Gauge("polykv_documents", "Shared documents held", registry=r).set_function(lambda: len(state.docs))
         Gauge("polykv_generated_tokens", "Tokens sampled by the engine since start",
               registry=r).set_function(lambda: eng.tokens_generated)
-        self.kv_bytes = Gauge("polykv_kv_bytes", "KV cache bytes: shared (measured, one copy per document) "
-                              "vs naive (f16 copy per agent)", ["kind"], registry=r)
+        self.kv_bytes = Gauge("polykv_kv_bytes", "KV cache bytes (measured): shared = compressed "
+                              "document prefixes (one copy each), agents = private suffixes, naive = one f16 copy "
+                              "per document, naive_agents = one f16 copy per live agent", ["kind"], registry=r)
 
     def install(self, app) -> None:
         owner = self
@@ -68,4 +69,6 @@ class Metrics:
             mem = await self.state.memory()
             self.kv_bytes.labels("shared").set(mem.get("kv_bytes_shared") or 0)
             self.kv_bytes.labels("naive").set(mem.get("kv_bytes_naive_f16") or 0)
+            self.kv_bytes.labels("agents").set(mem.get("kv_bytes_agents") or 0)
+            self.kv_bytes.labels("naive_agents").set(mem.get("kv_bytes_naive_f16_agents") or 0)
             return Response(generate_latest(self.registry), media_type=CONTENT_TYPE_LATEST)
