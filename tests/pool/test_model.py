@@ -25,12 +25,9 @@ def test_agents_recall_shared_doc_and_only_their_own_fact(smol):
     model, tok = smol
     pool = SharedKVPool(model, tok, k="q8_0", v="turbo3")
     doc = pool.add_document(DOC, name="log")
-    prompts = [
-        "My private note: my boat is called Bluebell. What is the secret code word for the harbour "
-        "gate, and what is my boat called?",
-        "My private note: my boat is called Starling. What is the secret code word for the harbour "
-        "gate, and what is my boat called?",
-    ]
+    ask = ("Also note: my boat is called {}.\n\nWhat is the secret code word for the harbour gate? "
+           "Then tell me the name of my boat.")
+    prompts = [ask.format("Bluebell"), ask.format("Starling")]
     a, b = pool.generate(doc, prompts, max_new_tokens=40)
     assert "pelican" in a.lower() and "pelican" in b.lower(), (a, b)
     assert "bluebell" in a.lower() and "starling" not in a.lower(), a
