@@ -1,1 +1,30 @@
+"""transformers integration: KVCache (a transformers Cache), the "polykv" attention function,
+K/V capture and InnerQ calibration, model loading. Heavy pieces load on first use."""
 
+from __future__ import annotations
+
+import importlib
+
+from .attention import ATTN_NAME, activate, active_cache, polykv_attention, register, use_polykv_attention
+
+_LAZY = {
+    "KVCache": ("polykv.hf.kv_cache", "KVCache"),
+    "model_layout": ("polykv.hf.kv_cache", "model_layout"),
+    "innerq_path": ("polykv.hf.kv_cache", "innerq_path"),
+    "capture_kv": ("polykv.hf.capture", "capture_kv"),
+    "calibrate_innerq": ("polykv.hf.capture", "calibrate_innerq"),
+    "load_model": ("polykv.hf.loading", "load_model"),
+    "kv_layout": ("polykv.hf.loading", "kv_layout"),
+}
+
+__all__ = ["ATTN_NAME", "activate", "active_cache", "polykv_attention", "register",
+           "use_polykv_attention"] + sorted(_LAZY)
+
+
+def __getattr__(name: str):
+    if name in _LAZY:
+        module, attr = _LAZY[name]
+        value = getattr(importlib.import_module(module), attr)
+        globals()[name] = value
+        return value
+    raise AttributeError(f"module 'polykv.hf' has no attribute {name!r}")

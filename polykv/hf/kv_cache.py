@@ -81,6 +81,17 @@ def model_layout(model_or_config) -> list[LayerLayout]:
     if getattr(config, "num_kv_shared_layers", None):
         raise UnsupportedModelError(f"unsupported architecture {name!r}: KV-shared layers are not "
                                     "supported")
+    try:  # the loader's layout is the project-wide one (handles use_sliding_window etc.)
+        from .loading import kv_layout
+    except ImportError:
+        kv_layout = None
+    if kv_layout is not None:
+        try:
+            specs = kv_layout(model_or_config)
+        except ValueError as e:
+            raise UnsupportedModelError(f"unsupported architecture {name!r}: {e}") from None
+        return [LayerLayout(s.index, int(s.num_kv_heads), int(s.head_dim),
+                            None if s.sliding_window is None else int(s.sliding_window)) for s in specs]
     layer_types = getattr(config, "layer_types", None)
     window = getattr(config, "sliding_window", None)
     if layer_types is None:
@@ -97,6 +108,12 @@ def model_layout(model_or_config) -> list[LayerLayout]:
 def model_fingerprint(model) -> str:
     """Stable id of a model's weights + architecture: "<model_type>-<16 hex>" (keys InnerQ tables)."""
     config = model.config
+    try:
+        from .loading import model_fingerprint as _fp
+
+        return f"{getattr(config, 'model_type', 'model')}-{_fp(model)[:16]}"
+    except ImportError:
+        pass
     h = hashlib.sha256()
     fields = {k: getattr(config, k, None) for k in (
         "model_type", "num_hidden_layers", "num_attention_heads", "num_key_value_heads", "head_dim",

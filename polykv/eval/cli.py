@@ -1,0 +1,183 @@
+"""`polykv eval` commands: ppl, equiv, ruler, tiers (DESIGN §6).
+
+With --json each command prints exactly one JSON object on stdout; progress bars go to stderr.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+from typing import Optional
+
+import typer
+
+from .equiv import FORMAT_HELP
+
+app = typer.Typer(
+    name="eval",
+    help="Quality harness: perplexity, logit equivalence, RULER-style recall, tier overview.\n\n"
+         + FORMAT_HELP.replace("\n", "\n\n"),
+    no_args_is_help=True,
+    add_completion=False,
+)
+
+K_HELP = "K storage type: f16, bf16, q8_0, q4_0, turbo8, turbo4, turbo3, turbo2"
+V_HELP = "V storage type (same choices as --k)"
+MODEL_HELP = "model: registry name (smollm2-135m, gemma3-270m), HF dir or .gguf (default smollm2-135m)"
+INNERQ_HELP = "InnerQ for turbo K: 'auto' (table from the cache dir), a table path, or 'none'"
+
+
+def _load(model: Optional[str], threads: Optional[int]):
+    import torch
+
+    if threads:
+        torch.set_num_threads(threads)
+    from ..hf.loading import load_model
+
+    return load_model(model)
+
+
+def _innerq(value: Optional[str]):
+    if value is None or value.lower() == "none":
+        return None
+    return value
+
+
+def _emit(result: dict, as_json: bool, render) -> None:
+    if as_json:
+        sys.stdout.write(json.dumps(result, default=str) + "\n")
+        sys.stdout.flush()
+        return
+    from rich.console import Console
+
+    Console().print(render(result))
+
+
+def _kv_table(title: str, result: dict, keys: list[str]):
+    from rich.table import Table
+
+    t = Table(title=title)
+    t.add_column("field")
+    t.add_column("value", justify="right")
+    for key in keys:
+        if key in result:
+            val = result[key]
+            t.add_row(key, f"{val:.4f}" if isinstance(val, float) else str(val))
+    return t
+
+
+def _check_types(k: str, v: str) -> None:
+    from ..codecs import CodecError, check_codec_name
+
+    try:
+        check_codec_name(k)
+        check_codec_name(v)
+    except CodecError as e:
+        raise typer.BadParameter(str(e)) from None
+
+
+@app.command()
+def ppl(k: str = typer.Option("q8_0", "--k", help=K_HELP), v: str = typer.Option("turbo3", "--v", help=V_HELP),
+        ctx: int = typer.Option(2048, "--ctx", help="window length in tokens"),
+        model: Optional[str] = typer.Option(None, "--model", help=MODEL_HELP),
+        text: Optional[Path] = typer.Option(None, "--text", help="UTF-8 text file (default: bundled Pride and Prejudice)"),
+        windows: Optional[int] = typer.Option(None, "--windows", help="number of ctx windows (default: 8192 tokens' worth)"),
+        innerq: Optional[str] = typer.Option(None, "--innerq", help=INNERQ_HELP),
+        keep_layers_q8: int = typer.Option(0, "--keep-layers-q8", help="first/last n layers stored as q8_0"),
+        threads: Optional[int] = typer.Option(None, "--threads", help="torch CPU threads"),
+        as_json: bool = typer.Option(False, "--json", help="print one JSON object")):
+    """Perplexity with compressed KV vs f16 KV (fields: ppl, ppl_ref, delta_pct, tokens)."""
+    _check_types(k, v)
+    from .ppl import eval_ppl
+
+    m, tok = _load(model, threads)
+    r = eval_ppl(m, tok, k, v, ctx, text=text, windows=windows, innerq=_innerq(innerq),
+                 keep_layers_q8=keep_layers_q8)
+    _emit(r, as_json, lambda r: _kv_table(f"ppl K {k} / V {v} @ {ctx}", r,
+                                          ["ppl", "ppl_ref", "delta_pct", "tokens", "windows", "kv_bytes",
+                                           "bits_per_value", "seconds"]))
+
+
+@app.command()
+def equiv(k: str = typer.Option("q8_0", "--k", help=K_HELP), v: str = typer.Option("turbo3", "--v", help=V_HELP),
+          model: Optional[str] = typer.Option(None, "--model", help=MODEL_HELP),
+          prompts: Optional[Path] = typer.Option(None, "--prompts", help="JSONL {context, question, needle} per line (see `polykv eval --help`)"),
+          max_new_tokens: int = typer.Option(24, "--max-new-tokens"),
+          innerq: Optional[str] = typer.Option(None, "--innerq", help=INNERQ_HELP),
+          keep_layers_q8: int = typer.Option(0, "--keep-layers-q8"),
+          threads: Optional[int] = typer.Option(None, "--threads"),
+          as_json: bool = typer.Option(False, "--json")):
+    """Logit equivalence vs f16 KV (fields: real_frac, mean_tv, p95_tv, recall_mismatch, n, verdict)."""
+    _check_types(k, v)
+    from .equiv import eval_equiv
+
+    m, tok = _load(model, threads)
+    r = eval_equiv(m, tok, k, v, prompts=prompts, innerq=_innerq(innerq), keep_layers_q8=keep_layers_q8,
+                   max_new_tokens=max_new_tokens)
+    _emit(r, as_json, lambda r: _kv_table(f"equiv K {k} / V {v}", r,
+                                          ["verdict", "real_frac", "mean_tv", "p95_tv", "recall_mismatch", "n",
+                                           "recall", "recall_ref", "seconds"]))
+
+
+@app.command()
+def ruler(task: str = typer.Option("niah", "--task", help="niah or vt"),
+          ctx: int = typer.Option(2048, "--ctx"), k: str = typer.Option("q8_0", "--k", help=K_HELP),
+          v: str = typer.Option("turbo3", "--v", help=V_HELP),
+          samples: int = typer.Option(20, "--samples"), seed: int = typer.Option(0, "--seed"),
+          model: Optional[str] = typer.Option(None, "--model", help=MODEL_HELP),
+          text: Optional[Path] = typer.Option(None, "--text", help="filler text file (default: Pride and Prejudice)"),
+          innerq: Optional[str] = typer.Option(None, "--innerq", help=INNERQ_HELP),
+          threads: Optional[int] = typer.Option(None, "--threads"),
+          as_json: bool = typer.Option(False, "--json")):
+    """RULER-style niah / vt (fields: score, score_ref, samples)."""
+    _check_types(k, v)
+    if task not in ("niah", "vt"):
+        raise typer.BadParameter(f"unknown task {task!r}; valid tasks: niah, vt")
+    from .ruler import eval_ruler
+
+    m, tok = _load(model, threads)
+    r = eval_ruler(m, tok, task, ctx, k, v, samples, seed, innerq=_innerq(innerq), text=text)
+    _emit(r, as_json, lambda r: _kv_table(f"ruler {task} @ {ctx} K {k} / V {v}", r,
+                                          ["score", "score_ref", "samples", "seconds"]))
+
+
+@app.command()
+def tiers(ctx: int = typer.Option(2048, "--ctx"),
+          model: Optional[str] = typer.Option(None, "--model", help=MODEL_HELP),
+          text: Optional[Path] = typer.Option(None, "--text"),
+          prompts: Optional[Path] = typer.Option(None, "--prompts"),
+          windows: Optional[int] = typer.Option(None, "--windows"),
+          keep_layers_q8: int = typer.Option(0, "--keep-layers-q8"),
+          no_equiv: bool = typer.Option(False, "--no-equiv", help="skip the logit-equivalence columns"),
+          markdown: bool = typer.Option(False, "--markdown", help="print a Markdown table"),
+          threads: Optional[int] = typer.Option(None, "--threads"),
+          as_json: bool = typer.Option(False, "--json")):
+    """Every KV tier and the asymmetric presets (field: rows)."""
+    from .tiers import eval_tiers, to_markdown
+
+    m, tok = _load(model, threads)
+    r = eval_tiers(m, tok, ctx=ctx, text=text, windows=windows, prompts=prompts,
+                   keep_layers_q8=keep_layers_q8, equiv=not no_equiv)
+    if markdown and not as_json:
+        sys.stdout.write(to_markdown(r) + "\n")
+        return
+
+    def render(r):
+        from rich.table import Table
+
+        t = Table(title=f"KV tiers @ {ctx} (ppl_ref {r['ppl_ref']:.3f})")
+        for c in ("K", "V", "bits/value", "KV bytes", "ppl Δ%", "mean TV", "p95 TV", "real_frac", "recall mm", "verdict"):
+            t.add_column(c)
+        for row in r["rows"]:
+            f = lambda x, s: "—" if x is None else format(x, s)  # noqa: E731
+            t.add_row(row["k"] + (" +InnerQ" if row["innerq"] else ""), row["v"], f(row["bits_per_value"], ".3f"),
+                      f(row["kv_bytes"], ",d"), f(row["ppl_delta_pct"], "+.2f"), f(row["mean_tv"], ".4f"),
+                      f(row["p95_tv"], ".4f"), f(row["real_frac"], ".2f"), f(row["recall_mismatch"], "d"),
+                      row["verdict"] or "—")
+        return t
+
+    _emit(r, as_json, render)
+
+
+__all__ = ["app"]

@@ -1,0 +1,139 @@
+"""Perplexity under a compressed KV cache (DESIGN §7 "ppl Δ").
+
+The corpus is tokenized once and cut into consecutive, non-overlapping windows of `ctx` tokens (the
+tokenizer's BOS, when it adds one, is the first token of every window). Per window the first half is
+prefilled into the cache under test; the second half is scored in chunks of 64 tokens, each chunk
+attending to the compressed KV of everything before it and written compressed after it. Scored
+tokens per window: ctx - ctx//2 (the prefill's last logit predicts the first scored token).
+Δ% = (ppl / ppl_ref - 1) * 100 where the reference is the same procedure with f16 KV.
+
+--text FILE: any UTF-8 text file; it must hold at least `ctx` tokens.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+
+import torch
+
+from .common import load_text, make_cache, model_device
+from .common import progress as _bar
+
+CHUNK = 64
+
+
+def default_windows(ctx: int) -> int:
+    """8192 tokens' worth of windows (4 x 2048, 8 x 1024), at least one."""
+    return max(1, 8192 // ctx)
+
+
+_TOKENS: dict = {}
+
+
+def tokenize(tok, text: str) -> list[int]:
+    """Token ids of a corpus (no special tokens), memoized per tokenizer and text."""
+    key = (id(tok), len(text), hash(text))
+    if key not in _TOKENS:
+        if len(_TOKENS) > 4:
+            _TOKENS.clear()
+        _TOKENS[key] = tok(text, add_special_tokens=False)["input_ids"]
+    return _TOKENS[key]
+
+
+def corpus_windows(tok, text: str, ctx: int, windows: int | None, skip_tokens: int = 0) -> list[list[int]]:
+    """Consecutive windows of ctx tokens (BOS first when the tokenizer adds one)."""
+    if ctx < 4:
+        raise ValueError(f"ctx must be >= 4, got {ctx}")
+    ids = tokenize(tok, text)
+    with_special = tok("a")["input_ids"]
+    bos = tok.bos_token_id if (tok.bos_token_id is not None and with_special
+                               and with_special[0] == tok.bos_token_id) else None
+    body = ctx - (1 if bos is not None else 0)
+    ids = ids[skip_tokens:]
+    avail = len(ids) // body
+    if avail == 0:
+        raise ValueError(f"text has {len(ids)} tokens, fewer than one window of ctx={ctx}")
+    n = default_windows(ctx) if windows is None else int(windows)
+    if n < 1:
+        raise ValueError(f"windows must be >= 1, got {windows}")
+    n = min(n, avail)
+    out = []
+    for w in range(n):
+        chunk = ids[w * body:(w + 1) * body]
+        out.append(([bos] if bos is not None else []) + chunk)
+    return out
+
+
+@torch.inference_mode()
+def score_window(model, cache, ids: list[int], chunk: int = CHUNK) -> tuple[float, int]:
+    """(sum of NLL in nats, scored tokens) for one window; the cache under test is filled as we go."""
+    dev = model_device(model)
+    x = torch.tensor(ids, device=dev)[None]
+    n = x.shape[1]
+    half = n // 2
+    out = model(input_ids=x[:, :half], past_key_values=cache, use_cache=True, logits_to_keep=1)
+    last = out.logits[0, -1].float()
+    nll, count = 0.0, 0
+    # Token t is predicted by position t-1: the prefill's last position predicts x[half]; the
+    # chunks feed positions half .. n-2 (x[n-1] is scored but never needs to be fed).
+    for start in range(half, n, chunk):
+        stop = min(start + chunk, n)
+        tgt = x[0, start:stop]
+        lg = last[None]
+        if stop - start > 1 or stop < n:
+            feed_stop = min(stop, n - 1)
+            out = model(input_ids=x[:, start:feed_stop], past_key_values=cache, use_cache=True)
+            logits = out.logits[0].float()
+            lg = torch.cat([last[None], logits[: stop - start - 1]], 0)
+            last = logits[-1]
+        lp = torch.log_softmax(lg, -1)
+        nll -= float(lp.gather(1, tgt[:, None]).sum())
+        count += tgt.numel()
+    return nll, count
+
+
+def _run(model, tok, wins, k, v, innerq, keep_layers_q8, show, desc):
+    nll, count, report = 0.0, 0, None
+    for ids in _bar(wins, desc=desc, enabled=show):
+        cache = make_cache(model, k, v, innerq=innerq, keep_layers_q8=keep_layers_q8)
+        a, b = score_window(model, cache, ids)
+        nll += a
+        count += b
+        cache.compact()
+        report = cache.memory_report()
+        del cache
+    return nll, count, report
+
+
+def eval_ppl(model, tok, k: str = "q8_0", v: str = "turbo3", ctx: int = 2048, text=None,
+             windows: int | None = None, innerq=None, keep_layers_q8: int = 0, progress: bool = True,
+             ppl_ref: float | None = None, skip_tokens: int = 0) -> dict:
+    """Perplexity with K/V stored as k/v vs the f16 reference (DESIGN §7).
+
+    text: file path or literal text (None: bundled Pride and Prejudice); windows: number of ctx
+    windows (None: 8192 tokens' worth); ppl_ref: reuse a reference perplexity computed on the same
+    windows; skip_tokens: start the windows after this many corpus tokens.
+    Returns {ppl, ppl_ref, delta_pct, tokens, ...} (tokens = scored tokens)."""
+    t0 = time.time()
+    wins = corpus_windows(tok, load_text(text), ctx, windows, skip_tokens)
+    nll, count, report = _run(model, tok, wins, k, v, innerq, keep_layers_q8, progress,
+                              f"ppl {k}/{v} ctx={ctx}")
+    ppl = math.exp(nll / count)
+    if ppl_ref is None:
+        if (k, v) == ("f16", "f16") and not keep_layers_q8:
+            ppl_ref = ppl
+        else:
+            rn, rc, _ = _run(model, tok, wins, "f16", "f16", None, 0, progress, f"ppl f16 ctx={ctx}")
+            ppl_ref = math.exp(rn / rc)
+    return {
+        "ppl": ppl, "ppl_ref": ppl_ref, "delta_pct": (ppl / ppl_ref - 1.0) * 100.0, "tokens": count,
+        "k": k, "v": v, "ctx": ctx, "windows": len(wins), "innerq": bool(report and report["innerq"]),
+        "keep_layers_q8": keep_layers_q8,
+        "kv_bytes": report["kv_bytes"] if report else None,
+        "bits_per_value": report["bits_per_value"] if report else None,
+        "seconds": round(time.time() - t0, 1),
+    }
+
+
+__all__ = ["CHUNK", "corpus_windows", "default_windows", "eval_ppl", "score_window"]

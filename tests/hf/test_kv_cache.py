@@ -1,0 +1,318 @@
+"""KVCache: a transformers Cache that holds only compressed K/V.
+
+Fast tests use tiny random Llama / Gemma-3 models; tests marked `model` load SmolLM2 / Gemma-3-270M.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from transformers import DynamicCache, Gemma3ForCausalLM, Gemma3TextConfig, LlamaConfig, LlamaForCausalLM
+
+from polykv.codecs import CodecError, InnerQTable
+from polykv.hf.attention import active_cache
+from polykv.hf.kv_cache import KVCache, UnsupportedModelError
+
+GREEDY = dict(do_sample=False, pad_token_id=0)
+
+
+def tiny_llama(head_dim=32, layers=3):
+    torch.manual_seed(0)
+    cfg = LlamaConfig(vocab_size=97, hidden_size=64, intermediate_size=96, num_hidden_layers=layers,
+                      num_attention_heads=4, num_key_value_heads=2, head_dim=head_dim,
+                      max_position_embeddings=1024)
+    return LlamaForCausalLM(cfg).eval()
+
+
+def tiny_gemma(window=8):
+    torch.manual_seed(0)
+    cfg = Gemma3TextConfig(vocab_size=97, hidden_size=64, intermediate_size=96, num_hidden_layers=3,
+                           num_attention_heads=2, num_key_value_heads=1, head_dim=32,
+                           sliding_window=window, max_position_embeddings=1024,
+                           layer_types=["sliding_attention", "sliding_attention", "full_attention"])
+    return Gemma3ForCausalLM(cfg).eval()
+
+
+def dense_generate(model, **kw):
+    model.set_attn_implementation("sdpa")
+    with torch.inference_mode():
+        return model.generate(past_key_values=DynamicCache(config=model.config), **kw)
+
+
+def kv_generate(model, k="f16", v="f16", **kw):
+    cache = KVCache(model, k=k, v=v)
+    with torch.inference_mode():
+        return model.generate(past_key_values=cache, **kw), cache
+
+
+def chunked_logits(model, cache, ids, step):
+    with torch.inference_mode():
+        return torch.cat([model(input_ids=ids[:, s:s + step], past_key_values=cache).logits
+                          for s in range(0, ids.shape[1], step)], 1)
+
+
+# --- tiny models ---------------------------------------------------------------------------------
+
+def test_f16_generate_matches_dynamic_cache_llama():
+    m = tiny_llama()
+    ids = torch.randint(1, 97, (1, 24))
+    ref = dense_generate(m, input_ids=ids, max_new_tokens=16, **GREEDY)
+    out, cache = kv_generate(m, input_ids=ids, max_new_tokens=16, **GREEDY)
+    assert torch.equal(ref, out)
+    assert m.config._attn_implementation == "polykv"
+    assert cache.get_seq_length() == 24 + 16 - 1
+    assert active_cache() is None  # the mark is consumed by each attention call
+
+
+def test_batch_with_left_padding():
+    m = tiny_llama()
+    ids = torch.randint(1, 97, (2, 20))
+    am = torch.ones(2, 20, dtype=torch.long)
+    ids[1, :7] = 0
+    am[1, :7] = 0
+    ref = dense_generate(m, input_ids=ids, attention_mask=am, max_new_tokens=12, **GREEDY)
+    out, cache = kv_generate(m, input_ids=ids, attention_mask=am, max_new_tokens=12, **GREEDY)
+    assert torch.equal(ref, out)
+    # each row equals its own unpadded single-sequence run
+    single, _ = kv_generate(m, input_ids=ids[1:, 7:], max_new_tokens=12, **GREEDY)
+    assert torch.equal(single[0, 13:], out[1, 20:])
+
+
+def test_sliding_window_matches_dynamic_and_stays_bounded():
+    m = tiny_gemma(window=8)
+    ids = torch.randint(1, 97, (1, 30))
+    ref = dense_generate(m, input_ids=ids, max_new_tokens=16, **GREEDY)
+    out, cache = kv_generate(m, input_ids=ids, max_new_tokens=16, **GREEDY)
+    assert torch.equal(ref, out)
+    assert [layer.store.length for layer in cache.layers] == [7, 7, 45]
+    assert cache.is_sliding == [True, True, False]
+    # chunks longer than the window: the chunk still sees the rows the trim drops afterwards
+    x = torch.randint(1, 97, (1, 50))
+    m.set_attn_implementation("sdpa")
+    a = chunked_logits(m, DynamicCache(config=m.config), x, 12)
+    b = chunked_logits(m, KVCache(m, "f16", "f16"), x, 12)
+    assert (a - b).abs().max() < 2e-3
+
+
+def test_mask_sizes_mirror_dynamic_sliding_layer():
+    m = tiny_gemma(window=8)
+    dyn, kv = DynamicCache(config=m.config), KVCache(m, "f16", "f16")
+    m.set_attn_implementation("polykv")
+    x = torch.randint(1, 97, (1, 23))
+    with torch.inference_mode():
+        for s in (0, 5, 6, 13):
+            e = {5: 5, 0: 5, 6: 7, 13: 10}[s]
+            for c in (dyn, kv):
+                m(input_ids=x[:, s:s + e], past_key_values=c)
+            for layer in range(3):
+                for q in (1, 9):
+                    assert kv.get_mask_sizes(q, layer) == dyn.get_mask_sizes(q, layer)
+                assert kv.get_seq_length(layer) == dyn.get_seq_length(layer)
+
+
+@pytest.mark.parametrize("k,v", [("q8_0", "turbo3"), ("turbo4", "turbo3"), ("q4_0", "turbo2")])
+def test_compressed_types_run_and_stay_close(k, v):
+    m = tiny_llama()
+    x = torch.randint(1, 97, (1, 40))
+    m.set_attn_implementation("sdpa")
+    ref = chunked_logits(m, DynamicCache(), x, 8)
+    got = chunked_logits(m, KVCache(m, k, v), x, 8)
+    assert torch.isfinite(got).all()
+    cos = torch.nn.functional.cosine_similarity(ref.flatten(), got.flatten(), dim=0)
+    assert cos > 0.9
+
+
+def test_rotated_attention_equals_true_space():
+    m = tiny_llama()
+    x = torch.randint(1, 97, (1, 30))
+    a = chunked_logits(m, KVCache(m, "turbo4", "turbo3", rotated_attention=True), x, 10)
+    b = chunked_logits(m, KVCache(m, "turbo4", "turbo3", rotated_attention=False), x, 10)
+    assert (a - b).abs().max() < 1e-3
+
+
+def test_innerq_table_applies_to_turbo_keys_only(tmp_path):
+    from polykv.hf.capture import calibrate_innerq, capture_kv
+
+    m = tiny_llama()
+    x = torch.randint(1, 97, (40,))
+    kv = capture_kv(m, None, [x], max_tokens=32)
+    assert set(kv) == {0, 1, 2} and kv[0][0].shape == (1, 2, 32, 32)
+    # a deliberately unbalanced table so that every layer has scales
+    table = InnerQTable(scales={i: torch.linspace(0.5, 2.0, 32).repeat(2, 1) for i in range(3)})
+    c = KVCache(m, "turbo4", "turbo3", innerq=table)
+    assert c.innerq is table and c.layers[0].key_scales is not None
+    assert KVCache(m, "q8_0", "turbo3", innerq=table).layers[0].key_scales is None
+    ref = chunked_logits(m, KVCache(m, "f16", "f16"), x[None], 8)
+    got = chunked_logits(m, c, x[None], 8)
+    cos = torch.nn.functional.cosine_similarity(ref.flatten(), got.flatten(), dim=0)
+    assert cos > 0.9
+    path = tmp_path / "t.safetensors"
+    saved = calibrate_innerq(m, None, [x], max_tokens=32, path=path)
+    assert path.exists()
+    assert KVCache(m, "turbo3", "turbo3", innerq=path).innerq.scales.keys() == saved.scales.keys()
+
+
+def test_innerq_auto_uses_cache_dir(tmp_path, monkeypatch):
+    from polykv.hf.capture import calibrate_innerq
+
+    monkeypatch.setenv("POLYKV_CACHE_DIR", str(tmp_path))
+    m = tiny_llama()
+    assert KVCache(m, "turbo3", "turbo3", innerq="auto").innerq is None  # nothing calibrated yet
+    calibrate_innerq(m, None, [torch.randint(1, 97, (64,))])
+    assert list((tmp_path / "innerq").glob("*.safetensors"))
+    c = KVCache(m, "turbo3", "turbo3", innerq="auto")
+    assert c.innerq is None or isinstance(c.innerq, InnerQTable)
+
+
+def test_keep_layers_q8():
+    m = tiny_llama(layers=5)
+    c = KVCache(m, "turbo3", "turbo2", keep_layers_q8=1)
+    assert [(layer.k_type, layer.v_type) for layer in c.layers] == (
+        [("q8_0", "q8_0")] + [("turbo3", "turbo2")] * 3 + [("q8_0", "q8_0")])
+    with pytest.raises(ValueError):
+        KVCache(m, "turbo3", "turbo2", keep_layers_q8=6)
+
+
+def test_bytes_are_measured_and_no_dense_shadow():
+    m = tiny_llama()
+    x = torch.randint(1, 97, (1, 64))
+    sizes = {}
+    for k, v in [("f16", "f16"), ("q8_0", "turbo3")]:
+        c = KVCache(m, k, v)
+        with torch.inference_mode():
+            m(input_ids=x, past_key_values=c)
+        rep = c.memory_report()
+        assert rep["kv_bytes"] == c.nbytes() > 0 and rep["tokens"] == 64
+        # every tensor the cache holds is packed storage: nothing dense survives the forward
+        for layer in c.layers:
+            assert layer.keys is None and layer.values is None
+        sizes[k] = c.nbytes()
+        assert rep["bits_per_value"] == pytest.approx({"f16": 16.0, "q8_0": (8.5 + 3.5) / 2}[k])
+    assert sizes["f16"] / sizes["q8_0"] > 2.6
+
+
+def test_reorder_and_select():
+    m = tiny_llama()
+    c = KVCache(m, "q8_0", "turbo3")
+    with torch.inference_mode():
+        m(input_ids=torch.randint(1, 97, (3, 10)), past_key_values=c)
+    c.batch_select_indices(torch.tensor([2, 0]))
+    assert c.layers[0].store.batch == 2 and c.layers[0].store.k.codes.shape[0] == 2
+    c.reorder_cache(torch.tensor([1, 0]))
+    c.batch_repeat_interleave(2)
+    assert c.layers[0].store.batch == 4
+
+
+def test_crop_full_layers():
+    m = tiny_llama()
+    x = torch.randint(1, 97, (1, 20))
+    c = KVCache(m, "f16", "f16")
+    with torch.inference_mode():
+        m(input_ids=x, past_key_values=c)
+        c.crop(-5)
+        assert c.get_seq_length() == 15
+        a = m(input_ids=x[:, 15:], past_key_values=c).logits
+        b = m(input_ids=x, past_key_values=KVCache(m, "f16", "f16")).logits[:, 15:]
+    assert (a - b).abs().max() < 1e-3
+
+
+# --- errors --------------------------------------------------------------------------------------
+
+def test_unknown_type_lists_valid_names():
+    m = tiny_llama()
+    with pytest.raises(CodecError, match="valid types: f16, bf16, q8_0, q4_0, turbo8"):
+        KVCache(m, k="q5_k", v="turbo3")
+
+
+def test_unsupported_architecture():
+    from transformers import T5Config
+
+    class Fake:
+        config = T5Config()
+
+    with pytest.raises(UnsupportedModelError, match="unsupported architecture"):
+        KVCache(Fake(), "q8_0", "turbo3")
+    cfg = LlamaConfig(num_hidden_layers=2, hidden_size=64, num_attention_heads=4, intermediate_size=64)
+    cfg.layer_types = ["full_attention", "linear_attention"]
+
+    class Fake2:
+        config = cfg
+
+    with pytest.raises(UnsupportedModelError, match="linear_attention"):
+        KVCache(Fake2(), "q8_0", "turbo3")
+
+
+def test_turbo_head_dim_unsupported_is_clear():
+    m = tiny_llama(head_dim=96)
+    with pytest.raises(CodecError, match="layer 0 .*head_dim 96.*turbo"):
+        KVCache(m, "q8_0", "turbo3")
+
+
+def test_mismatched_head_dim_is_clear():
+    m = tiny_llama()
+    c = KVCache(m, "q8_0", "q8_0")
+    with pytest.raises(ValueError, match="head_dim 64 does not match the cache layout head_dim 32"):
+        c.update(torch.randn(1, 2, 4, 64), torch.randn(1, 2, 4, 64), 0)
+    with pytest.raises(ValueError, match="KV heads"):
+        c.update(torch.randn(1, 3, 4, 32), torch.randn(1, 3, 4, 32), 0)
+
+
+def test_dynamic_cache_after_kvcache_is_not_hijacked():
+    m = tiny_llama()
+    x = torch.randint(1, 97, (1, 12))
+    with torch.inference_mode():
+        m(input_ids=x, past_key_values=KVCache(m, "turbo2", "turbo2"))
+        a = m(input_ids=x, past_key_values=DynamicCache()).logits  # still the "polykv" attention
+        m.set_attn_implementation("sdpa")
+        b = m(input_ids=x, past_key_values=DynamicCache()).logits
+    assert torch.equal(a, b)
+
+
+# --- real models ---------------------------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def smollm2():
+    from polykv.hf.loading import load_model
+
+    return load_model("smollm2-135m")
+
+
+@pytest.mark.model
+def test_smollm2_f16_generate_identical(smollm2):
+    m, tok = smollm2
+    enc = tok(["The capital of France is", "Once upon a time, in a small village by the sea, there"],
+              return_tensors="pt", padding=True)
+    ref = dense_generate(m, **enc, max_new_tokens=16, do_sample=False, pad_token_id=tok.pad_token_id)
+    out, _ = kv_generate(m, **enc, max_new_tokens=16, do_sample=False, pad_token_id=tok.pad_token_id)
+    assert torch.equal(ref, out)
+
+
+@pytest.mark.model
+def test_smollm2_q8_turbo3_bytes(smollm2):
+    m, tok = smollm2
+    x = torch.tensor([tok("It is a truth universally acknowledged, that a single man")["input_ids"] * 12])
+    sizes = {}
+    for k, v in [("f16", "f16"), ("q8_0", "turbo3")]:
+        c = KVCache(m, k, v)
+        with torch.inference_mode():
+            m(input_ids=x, past_key_values=c, logits_to_keep=1)
+        c.compact()
+        sizes[k] = c.nbytes()
+    assert sizes["f16"] / sizes["q8_0"] >= 2.7
+
+
+@pytest.mark.model
+@pytest.mark.slow
+def test_gemma3_f16_generate_identical_past_window():
+    from polykv.hf.loading import load_model
+
+    m, tok = load_model("gemma3-270m")
+    from polykv.eval.common import load_text
+
+    x = torch.tensor([tok(load_text(None)[:20000])["input_ids"][:600]])
+    assert x.shape[1] == 600
+    ref = dense_generate(m, input_ids=x, max_new_tokens=16, do_sample=False)
+    out, cache = kv_generate(m, input_ids=x, max_new_tokens=16, do_sample=False)
+    assert torch.equal(ref, out)
+    w = m.config.sliding_window
+    assert all(layer.store.length <= w - 1 for layer in cache.layers if layer.is_sliding)
