@@ -140,7 +140,8 @@ def plot_fanout(result: dict, path) -> None:
         ax.plot(x, [r[key] / 2**20 for r in rows], style, label=label)
     ax.set_yscale("log")
     ax.set_xscale("log", base=2)
-    ax.set_xticks(x, [str(a) for a in x])
+    ticks = [a for i, a in enumerate(x) if i == len(x) - 1 or x[i + 1] / a >= 1.2]  # no overlaps
+    ax.set_xticks(ticks, [str(a) for a in ticks])
     ax.set_xlabel("agents alive")
     ax.set_ylabel("KV bytes (MiB, measured)")
     ax.set_title(f"KV memory, {result['doc_tokens']}-token document + {result['suffix_tokens']}-token suffixes")
