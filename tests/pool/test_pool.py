@@ -216,3 +216,30 @@ def test_sampling_seeded_and_stop(tiny):
     if len(full) > 3:
         cut = pool.generate(doc, [[5, 6]], max_new_tokens=8, stop=[full[2:4]])[0]
         assert cut == full[: full.index(full[2:4])].strip()
+
+
+def test_innerq_turbo_keys_and_persistence(tiny, tmp_path):
+    """InnerQ scales (turbo K): keys stored as K*s, queries q/s — results stay close to f16 storage,
+    and the table round-trips through save/load (hash in the manifest)."""
+    from polykv.codecs import InnerQTable
+
+    model, tok = tiny
+    torch.manual_seed(3)
+    table = InnerQTable(scales={i: (torch.rand(2, 32) + 0.5) for i in range(2)})
+    ref = SharedKVPool(model, tok, k="f16", v="f16", prefill_chunk=32)
+    pool = SharedKVPool(model, tok, k="turbo8", v="q8_0", innerq=table, prefill_chunk=32)
+    doc = ref.add_document(DOC)
+    assert pool.add_document(DOC) == doc
+    assert pool._docs[doc].layers[0].key_scales is not None
+    outs = []
+    for p in (ref, pool):
+        with p.open_batch(doc) as b:
+            a = b.add([5, 6, 7])
+            outs.append(b.step()[a])
+    assert _tv(outs[0], outs[1]) < 0.02
+    pool.save(tmp_path / "iq")
+    loaded = SharedKVPool.load(tmp_path / "iq", model, tok)
+    torch.testing.assert_close(loaded.innerq.layer(1), table.layer(1))
+    with loaded.open_batch(doc) as b:
+        a = b.add([5, 6, 7])
+        torch.testing.assert_close(b.step()[a], outs[1])
