@@ -41,11 +41,13 @@ def calibration_table(model, tok, text=None, tokens: int = INNERQ_CALIB_TOKENS, 
 
 def eval_tiers(model, tok, ctx: int = 2048, text=None, windows: int | None = None, prompts=None,
                presets=None, keep_layers_q8: int = 0, equiv: bool = True, innerq=None,
-               max_new_tokens: int = 24, progress: bool = True) -> dict:
+               max_new_tokens: int = 24, progress: bool = True, ppl: bool = True,
+               on_row=None) -> dict:
     """One row per preset: {k, v, innerq, bits_per_value, kv_bytes, ppl, ppl_delta_pct, mean_tv,
     p95_tv, real_frac, recall_mismatch, verdict}. bits_per_value / kv_bytes are measured from the
     cache tensors after a ctx-token window (kv_bytes: allocated storage, compacted).
-    innerq: a table for the InnerQ rows (default: calibrated on the end of the corpus)."""
+    innerq: a table for the InnerQ rows (default: calibrated on the end of the corpus).
+    ppl / equiv: compute those columns (the other ones are None); on_row(row): called per row."""
     t0 = time.time()
     presets = PRESETS if presets is None else presets
     n_win = default_windows(ctx) if windows is None else windows
@@ -60,15 +62,18 @@ def eval_tiers(model, tok, ctx: int = 2048, text=None, windows: int | None = Non
                              "evaluated tokens")
         calib_tokens = min(INNERQ_CALIB_TOKENS, total - used)
         table = calibration_table(model, tok, text, calib_tokens)
-    ref = eval_ppl(model, tok, "f16", "f16", ctx, text, n_win, progress=progress)
+    ref = eval_ppl(model, tok, "f16", "f16", ctx, text, n_win, progress=progress) if ppl else None
     refs = reference_runs(model, tok, prompts, max_new_tokens, progress) if equiv else None
     rows = []
     for k, v, iq in presets:
-        r = eval_ppl(model, tok, k, v, ctx, text, n_win, innerq=table if iq else None,
-                     keep_layers_q8=keep_layers_q8, progress=progress, ppl_ref=ref["ppl"])
-        row = {"k": k, "v": v, "innerq": bool(iq), "label": preset_label(k, v, iq),
-               "bits_per_value": r["bits_per_value"], "kv_bytes": r["kv_bytes"], "ppl": r["ppl"],
-               "ppl_delta_pct": r["delta_pct"]}
+        row = {"k": k, "v": v, "innerq": bool(iq), "label": preset_label(k, v, iq)}
+        if ppl:
+            r = eval_ppl(model, tok, k, v, ctx, text, n_win, innerq=table if iq else None,
+                         keep_layers_q8=keep_layers_q8, progress=progress, ppl_ref=ref["ppl"])
+            row.update({"bits_per_value": r["bits_per_value"], "kv_bytes": r["kv_bytes"], "ppl": r["ppl"],
+                        "ppl_delta_pct": r["delta_pct"]})
+        else:
+            row.update({"bits_per_value": None, "kv_bytes": None, "ppl": None, "ppl_delta_pct": None})
         if equiv:
             e = eval_equiv(model, tok, k, v, innerq=table if iq else None,
                            keep_layers_q8=keep_layers_q8, max_new_tokens=max_new_tokens,
@@ -79,8 +84,10 @@ def eval_tiers(model, tok, ctx: int = 2048, text=None, windows: int | None = Non
             row.update({"mean_tv": None, "p95_tv": None, "real_frac": None, "recall_mismatch": None,
                         "verdict": None})
         rows.append(row)
-    return {"rows": rows, "ctx": ctx, "windows": len(wins), "tokens": ref["tokens"],
-            "ppl_ref": ref["ppl"], "keep_layers_q8": keep_layers_q8,
+        if on_row is not None:
+            on_row(row)
+    return {"rows": rows, "ctx": ctx, "windows": len(wins), "tokens": ref["tokens"] if ref else None,
+            "ppl_ref": ref["ppl"] if ref else None, "keep_layers_q8": keep_layers_q8,
             "equiv_prompts": len(refs) if refs else 0, "innerq_calib_tokens": calib_tokens,
             "model": getattr(model.config, "model_type", ""), "seconds": round(time.time() - t0, 1)}
 
