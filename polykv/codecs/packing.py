@@ -1,10 +1,15 @@
-"""Bit packing of small unsigned indices into bytes.
+"""Bit packing of small unsigned indices into bytes (planar layout).
 
-Layout (little-endian inside each byte, consecutive values): for `bits` in {1, 2, 4, 8}, value i of a
-row goes to byte i * bits // 8 at bit offset (i * bits) % 8. Three-bit indices are split into two
-planes so that no value straddles a byte: the low two bits of all G values (G/4 bytes, 2-bit layout)
-followed by the high bit of all G values (G/8 bytes, 1-bit layout) — 3 bits per value exactly, and a
-kernel can unpack any value with two byte loads and shifts.
+Layout, for a row of n values (n % 8 == 0) and `bits` in {1, 2, 4, 8}: with P = 8 // bits values per
+byte and n / P bytes, byte j holds values j, j + n/P, j + 2n/P, ... at bit offsets 0, bits, 2*bits,
+... — value i sits in byte i % (n/P) at bit offset bits * (i // (n/P)). So the r-th bit field of all
+bytes is the contiguous run of values [r*n/P, (r+1)*n/P): a kernel loads the bytes as one contiguous
+tile and gets each run by one shift and mask (no per-value byte gathers). Three-bit indices are split
+into two planes so that no value straddles a byte: the low two bits of all n values (n/4 bytes, 2-bit
+planar layout: byte j holds values j + r*n/4 at bits 2r) followed by the high bit of all n values
+(n/8 bytes, 1-bit planar layout: byte j holds values j + r*n/8 at bit r) — 3 bits per value exactly.
+turbo packs each group of G values as one row; q4_0 packs the whole head_dim row (byte j: value j in
+the low nibble, value j + head_dim/2 in the high nibble).
 """
 
 from __future__ import annotations
@@ -15,15 +20,15 @@ import torch
 def _pack_pow2(idx: torch.Tensor, bits: int) -> torch.Tensor:
     per_byte = 8 // bits
     n = idx.shape[-1]
-    v = idx.to(torch.int32).reshape(*idx.shape[:-1], n // per_byte, per_byte)
+    v = idx.to(torch.int32).reshape(*idx.shape[:-1], per_byte, n // per_byte)
     shifts = torch.arange(per_byte, device=idx.device, dtype=torch.int32) * bits
-    return (v << shifts).sum(-1).to(torch.uint8)
+    return (v << shifts[:, None]).sum(-2).to(torch.uint8)
 
 
 def _unpack_pow2(packed: torch.Tensor, bits: int, n: int) -> torch.Tensor:
     per_byte = 8 // bits
     shifts = torch.arange(per_byte, device=packed.device, dtype=torch.int32) * bits
-    v = (packed.to(torch.int32)[..., None] >> shifts) & ((1 << bits) - 1)
+    v = (packed.to(torch.int32)[..., None, :] >> shifts[:, None]) & ((1 << bits) - 1)
     return v.reshape(*packed.shape[:-1], packed.shape[-1] * per_byte)[..., :n].to(torch.uint8)
 
 

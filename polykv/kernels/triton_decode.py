@@ -18,24 +18,58 @@ import triton
 import triton.language as tl
 
 from ..codecs import Packed
-from .triton_codec import codec_meta, load_tile, sub_values
+from .triton_codec import asm_ok, asm_strings, codec_meta, load_tile, perm_cols
 
 LOG2E = 1.4426950408889634
 LN2 = 0.6931471805599453
 
 
 @triton.jit
-def _load_q(Q, q_rows, rmask, K: tl.constexpr, PER: tl.constexpr, C: tl.constexpr,
-            D: tl.constexpr, DT: tl.constexpr):
-    c = tl.arange(0, C)
-    ptr = Q + q_rows[:, None] * D + c[None, :] * PER + K
-    return tl.load(ptr, mask=rmask[:, None], other=0.0).to(DT)
+def _load_q(Q, q_rows, rmask, g: tl.constexpr, GW: tl.constexpr, NPH: tl.constexpr,
+            D: tl.constexpr):
+    cols = g * GW + perm_cols(GW, NPH)
+    ptr = Q + q_rows[:, None] * D + cols[None, :]
+    return tl.load(ptr, mask=rmask[:, None], other=0.0).to(tl.float16)
 
 
 @triton.jit
-def _store_o(O, o_off, rmask, acc, K: tl.constexpr, PER: tl.constexpr, C: tl.constexpr):
-    c = tl.arange(0, C)
-    tl.store(O + o_off[:, None] + c[None, :] * PER + K, acc, mask=rmask[:, None])
+def _store_o(O, o_off, rmask, acc, g: tl.constexpr, GW: tl.constexpr, NPH: tl.constexpr):
+    cols = g * GW + perm_cols(GW, NPH)
+    tl.store(O + o_off[:, None] + cols[None, :], acc, mask=rmask[:, None])
+
+
+@triton.jit
+def _norm(SCALES, srow_off, nmask, g: tl.constexpr):
+    return tl.load(SCALES + srow_off + g, mask=nmask, other=0.0).to(tl.float32)
+
+
+@triton.jit
+def _kdot(q, KC, KS, KCENT, k_off, ks_off, nmask, g: tl.constexpr, BLOCK_N: tl.constexpr,
+          D: tl.constexpr, KIND: tl.constexpr, BITS: tl.constexpr, G: tl.constexpr,
+          GW: tl.constexpr, NPH: tl.constexpr, DEC: tl.constexpr,
+          A0: tl.constexpr, A1: tl.constexpr, A2: tl.constexpr, A3: tl.constexpr,
+          A4: tl.constexpr, A5: tl.constexpr, A6: tl.constexpr, A7: tl.constexpr):
+    k = load_tile(KC, KS, KCENT, k_off, ks_off, nmask, g, BLOCK_N, D, KIND, BITS, G, GW, NPH,
+                  DEC, A0, A1, A2, A3, A4, A5, A6, A7)
+    s = tl.dot(q, tl.trans(k))
+    if KIND == 3:
+        s = s * _norm(KS, ks_off, nmask, g)[None, :]
+    return s
+
+
+@triton.jit
+def _pv(acc, alpha, p, VC, VS, VCENT, v_off, vs_off, nmask, g: tl.constexpr,
+        BLOCK_N: tl.constexpr, D: tl.constexpr, KIND: tl.constexpr, BITS: tl.constexpr,
+        G: tl.constexpr, GW: tl.constexpr, NPH: tl.constexpr, DEC: tl.constexpr,
+        A0: tl.constexpr, A1: tl.constexpr, A2: tl.constexpr, A3: tl.constexpr,
+        A4: tl.constexpr, A5: tl.constexpr, A6: tl.constexpr, A7: tl.constexpr):
+    v = load_tile(VC, VS, VCENT, v_off, vs_off, nmask, g, BLOCK_N, D, KIND, BITS, G, GW, NPH,
+                  DEC, A0, A1, A2, A3, A4, A5, A6, A7)
+    if KIND == 3:  # fold the per-token norm into P: the V tile is centroids only
+        pd = (p * _norm(VS, vs_off, nmask, g)[None, :]).to(tl.float16)
+    else:
+        pd = p.to(tl.float16)
+    return acc * alpha[:, None] + tl.dot(pd, v)
 
 
 @triton.jit
@@ -45,18 +79,22 @@ def _decode_kernel(
         svb, svh, svs, svsb, svsh, svss,
         HKV, M_TOTAL, N_Q, SPLIT_LEN, N_SPLITS, qk_scale, WINDOW,
         D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-        K_KIND: tl.constexpr, K_BITS: tl.constexpr, K_G: tl.constexpr, K_PER: tl.constexpr,
-        V_KIND: tl.constexpr, V_BITS: tl.constexpr, V_G: tl.constexpr, V_PER: tl.constexpr,
-        CAUSAL: tl.constexpr, HAS_WINDOW: tl.constexpr, DOT_BF16: tl.constexpr,
-        LUT: tl.constexpr):
+        K_KIND: tl.constexpr, K_BITS: tl.constexpr, K_G: tl.constexpr, K_GW: tl.constexpr,
+        K_NPH: tl.constexpr, K_DEC: tl.constexpr,
+        V_KIND: tl.constexpr, V_BITS: tl.constexpr, V_G: tl.constexpr, V_GW: tl.constexpr,
+        V_NPH: tl.constexpr, V_DEC: tl.constexpr,
+        CAUSAL: tl.constexpr, HAS_WINDOW: tl.constexpr,
+        KA0: tl.constexpr, KA1: tl.constexpr, KA2: tl.constexpr, KA3: tl.constexpr,
+        KA4: tl.constexpr, KA5: tl.constexpr, KA6: tl.constexpr, KA7: tl.constexpr,
+        VA0: tl.constexpr, VA1: tl.constexpr, VA2: tl.constexpr, VA3: tl.constexpr,
+        VA4: tl.constexpr, VA5: tl.constexpr, VA6: tl.constexpr, VA7: tl.constexpr):
     pid_bh = tl.program_id(0)
     pid_s = tl.program_id(1)
     pid_m = tl.program_id(2)
     b = pid_bh // HKV
     h = pid_bh % HKV
-    DT: tl.constexpr = tl.bfloat16 if DOT_BF16 else tl.float16
-    CK: tl.constexpr = D // K_PER
-    CV: tl.constexpr = D // V_PER
+    NGK: tl.constexpr = D // K_GW
+    NGV: tl.constexpr = D // V_GW
 
     kv_len = tl.load(KV_LENS + b)
     start = pid_s * SPLIT_LEN
@@ -67,19 +105,20 @@ def _decode_kernel(
     q_rows = pid_bh.to(tl.int64) * M_TOTAL + rows
     qpos = kv_len - N_Q + rows % N_Q
 
-    q0 = _load_q(Q, q_rows, rmask, 0, K_PER, CK, D, DT)
-    if K_PER > 1:
-        q1 = _load_q(Q, q_rows, rmask, 1, K_PER, CK, D, DT)
-    if K_PER > 2:
-        q2 = _load_q(Q, q_rows, rmask, 2, K_PER, CK, D, DT)
-        q3 = _load_q(Q, q_rows, rmask, 3, K_PER, CK, D, DT)
+    # q in the K tiles' column order (triton_codec.perm_cols), loaded once per program
+    q0 = _load_q(Q, q_rows, rmask, 0, K_GW, K_NPH, D)
+    if NGK > 1:
+        q1 = _load_q(Q, q_rows, rmask, 1, K_GW, K_NPH, D)
+    if NGK > 2:
+        q2 = _load_q(Q, q_rows, rmask, 2, K_GW, K_NPH, D)
+        q3 = _load_q(Q, q_rows, rmask, 3, K_GW, K_NPH, D)
 
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
-    acc0 = tl.zeros([BLOCK_M, CV], tl.float32)
-    acc1 = tl.zeros([BLOCK_M, CV], tl.float32)
-    acc2 = tl.zeros([BLOCK_M, CV], tl.float32)
-    acc3 = tl.zeros([BLOCK_M, CV], tl.float32)
+    acc0 = tl.zeros([BLOCK_M, V_GW], tl.float32)
+    acc1 = tl.zeros([BLOCK_M, V_GW], tl.float32)
+    acc2 = tl.zeros([BLOCK_M, V_GW], tl.float32)
+    acc3 = tl.zeros([BLOCK_M, V_GW], tl.float32)
 
     kbase = b.to(tl.int64) * skb + h.to(tl.int64) * skh
     ksbase = b.to(tl.int64) * sksb + h.to(tl.int64) * sksh
@@ -90,19 +129,19 @@ def _decode_kernel(
         offs_n = n0 + tl.arange(0, BLOCK_N)
         nmask = offs_n < end
         on = offs_n.to(tl.int64)
+        k_off = kbase + on * sks
+        ks_off = ksbase + on * skss
         # ---- scores
-        kb0, kb1, ksc = load_tile(KC, KS, kbase + on * sks, ksbase + on * skss, nmask, CK,
-                                  K_KIND, K_BITS, K_G)
-        k0 = sub_values(kb0, kb1, ksc, KCENT, 0, CK, K_KIND, K_BITS, K_G, LUT).to(DT)
-        s = tl.dot(q0, tl.trans(k0))
-        if K_PER > 1:
-            k1 = sub_values(kb0, kb1, ksc, KCENT, 1, CK, K_KIND, K_BITS, K_G, LUT).to(DT)
-            s += tl.dot(q1, tl.trans(k1))
-        if K_PER > 2:
-            k2 = sub_values(kb0, kb1, ksc, KCENT, 2, CK, K_KIND, K_BITS, K_G, LUT).to(DT)
-            s += tl.dot(q2, tl.trans(k2))
-            k3 = sub_values(kb0, kb1, ksc, KCENT, 3, CK, K_KIND, K_BITS, K_G, LUT).to(DT)
-            s += tl.dot(q3, tl.trans(k3))
+        s = _kdot(q0, KC, KS, KCENT, k_off, ks_off, nmask, 0, BLOCK_N, D, K_KIND, K_BITS, K_G,
+                  K_GW, K_NPH, K_DEC, KA0, KA1, KA2, KA3, KA4, KA5, KA6, KA7)
+        if NGK > 1:
+            s += _kdot(q1, KC, KS, KCENT, k_off, ks_off, nmask, 1, BLOCK_N, D, K_KIND, K_BITS,
+                       K_G, K_GW, K_NPH, K_DEC, KA0, KA1, KA2, KA3, KA4, KA5, KA6, KA7)
+        if NGK > 2:
+            s += _kdot(q2, KC, KS, KCENT, k_off, ks_off, nmask, 2, BLOCK_N, D, K_KIND, K_BITS,
+                       K_G, K_GW, K_NPH, K_DEC, KA0, KA1, KA2, KA3, KA4, KA5, KA6, KA7)
+            s += _kdot(q3, KC, KS, KCENT, k_off, ks_off, nmask, 3, BLOCK_N, D, K_KIND, K_BITS,
+                       K_G, K_GW, K_NPH, K_DEC, KA0, KA1, KA2, KA3, KA4, KA5, KA6, KA7)
         s = s * qk_scale
         vis = nmask[None, :] & rmask[:, None]
         if CAUSAL:
@@ -117,20 +156,22 @@ def _decode_kernel(
         p = tl.exp2(s - m_safe[:, None])
         l_i = l_i * alpha + tl.sum(p, 1)
         m_i = m_new
-        pd = p.to(DT)
         # ---- values
-        vb0, vb1, vsc = load_tile(VC, VS, vbase + on * svs, vsbase + on * svss, nmask, CV,
-                                  V_KIND, V_BITS, V_G)
-        v0 = sub_values(vb0, vb1, vsc, VCENT, 0, CV, V_KIND, V_BITS, V_G, LUT).to(DT)
-        acc0 = acc0 * alpha[:, None] + tl.dot(pd, v0)
-        if V_PER > 1:
-            v1 = sub_values(vb0, vb1, vsc, VCENT, 1, CV, V_KIND, V_BITS, V_G, LUT).to(DT)
-            acc1 = acc1 * alpha[:, None] + tl.dot(pd, v1)
-        if V_PER > 2:
-            v2 = sub_values(vb0, vb1, vsc, VCENT, 2, CV, V_KIND, V_BITS, V_G, LUT).to(DT)
-            acc2 = acc2 * alpha[:, None] + tl.dot(pd, v2)
-            v3 = sub_values(vb0, vb1, vsc, VCENT, 3, CV, V_KIND, V_BITS, V_G, LUT).to(DT)
-            acc3 = acc3 * alpha[:, None] + tl.dot(pd, v3)
+        v_off = vbase + on * svs
+        vs_off = vsbase + on * svss
+        acc0 = _pv(acc0, alpha, p, VC, VS, VCENT, v_off, vs_off, nmask, 0, BLOCK_N, D, V_KIND,
+                   V_BITS, V_G, V_GW, V_NPH, V_DEC, VA0, VA1, VA2, VA3, VA4, VA5, VA6, VA7)
+        if NGV > 1:
+            acc1 = _pv(acc1, alpha, p, VC, VS, VCENT, v_off, vs_off, nmask, 1, BLOCK_N, D,
+                       V_KIND, V_BITS, V_G, V_GW, V_NPH, V_DEC,
+                       VA0, VA1, VA2, VA3, VA4, VA5, VA6, VA7)
+        if NGV > 2:
+            acc2 = _pv(acc2, alpha, p, VC, VS, VCENT, v_off, vs_off, nmask, 2, BLOCK_N, D,
+                       V_KIND, V_BITS, V_G, V_GW, V_NPH, V_DEC,
+                       VA0, VA1, VA2, VA3, VA4, VA5, VA6, VA7)
+            acc3 = _pv(acc3, alpha, p, VC, VS, VCENT, v_off, vs_off, nmask, 3, BLOCK_N, D,
+                       V_KIND, V_BITS, V_G, V_GW, V_NPH, V_DEC,
+                       VA0, VA1, VA2, VA3, VA4, VA5, VA6, VA7)
 
     has = l_i > 0
     inv = tl.where(has, 1.0 / tl.where(has, l_i, 1.0), 0.0)
@@ -139,12 +180,12 @@ def _decode_kernel(
     prow = q_rows * N_SPLITS + pid_s
     tl.store(L_PART + prow, lse, mask=rmask)
     o_off = prow * D
-    _store_o(O_PART, o_off, rmask, acc0 * inv[:, None], 0, V_PER, CV)
-    if V_PER > 1:
-        _store_o(O_PART, o_off, rmask, acc1 * inv[:, None], 1, V_PER, CV)
-    if V_PER > 2:
-        _store_o(O_PART, o_off, rmask, acc2 * inv[:, None], 2, V_PER, CV)
-        _store_o(O_PART, o_off, rmask, acc3 * inv[:, None], 3, V_PER, CV)
+    _store_o(O_PART, o_off, rmask, acc0 * inv[:, None], 0, V_GW, V_NPH)
+    if NGV > 1:
+        _store_o(O_PART, o_off, rmask, acc1 * inv[:, None], 1, V_GW, V_NPH)
+    if NGV > 2:
+        _store_o(O_PART, o_off, rmask, acc2 * inv[:, None], 2, V_GW, V_NPH)
+        _store_o(O_PART, o_off, rmask, acc3 * inv[:, None], 3, V_GW, V_NPH)
 
 
 @triton.jit
@@ -200,14 +241,24 @@ def num_programs_target(device) -> int:
     return 4  # interpreter: keep the program count small but exercise several splits
 
 
+_ASM_BROKEN: set = set()  # (k kind/bits, v kind/bits) whose inline-asm build failed here
+
+
+def _interpreting() -> bool:
+    import os
+    return os.environ.get("TRITON_INTERPRET", "0") == "1"
+
+
 def decode_prepared(qp: torch.Tensor, n_q: int, k: Packed, v: Packed, k_codec, v_codec,
                     kv_lens: torch.Tensor, *, causal: bool, window: int | None, sm_scale: float,
                     block_m_max: int = 64, target_programs: int | None = None,
                     num_warps: int | None = None, num_stages: int = 2, block_n: int | None = None,
-                    lut: str = "select"):
+                    dec: str = "auto", lut: str | None = None):
     """qp: float32 [B, Hkv, M, D] contiguous, already in K's storage domain (rotated / InnerQ-
     divided), rows r = head_in_group * n_q + j. k, v: Packed leading [B or 1, Hkv, S_cap].
-    Returns out float32 [B, Hkv, M, D] in V's storage domain, lse float32 [B, Hkv, M]."""
+    dec: "asm" (PTX byte-permute lookup, CUDA only), "select" (plain Triton), "auto" (asm where it
+    applies and builds). Returns out float32 [B, Hkv, M, D] in V's storage domain, lse float32
+    [B, Hkv, M]."""
     B, Hkv, M, D = qp.shape
     dev = qp.device
     km, vm = codec_meta(k_codec), codec_meta(v_codec)
@@ -216,11 +267,8 @@ def decode_prepared(qp: torch.Tensor, n_q: int, k: Packed, v: Packed, k_codec, v
     vc, vs, vcs, vss = _strides(v, v.codes.shape[0] == 1 and B > 1)
     kcent = k_codec.tables(dev)[0] if km["KIND"] == 3 else _dummy(dev)
     vcent = v_codec.tables(dev)[0] if vm["KIND"] == 3 else _dummy(dev)
-    bf16 = False  # fp16 operands: bf16 K/V values convert exactly within fp16 range
     BLOCK_M = max(16, min(block_m_max, triton.next_power_of_2(M)))
     n_mt = triton.cdiv(M, BLOCK_M)
-    # measured on H200 (docs/kernels_notes.md v3): decode tiles (<= 16 rows) like BLOCK_N 128 at
-    # head_dim <= 128; the 128-row cascade prefix tile likes 64
     BLOCK_N = block_n or (128 if BLOCK_M <= 16 and D <= 128 else _block_n(D))
     if num_warps is None:
         num_warps = 8 if BLOCK_M >= 64 else 4
@@ -232,15 +280,41 @@ def decode_prepared(qp: torch.Tensor, n_q: int, k: Packed, v: Packed, k_codec, v
     o_part = torch.empty(B * Hkv * M * n_splits * D, dtype=torch.float32, device=dev)
     l_part = torch.empty(B * Hkv * M * n_splits, dtype=torch.float32, device=dev)
     grid = (B * Hkv, n_splits, n_mt)
-    _decode_kernel[grid](
-        qp, kc, ks, vc, vs, kcent, vcent, kv_lens, o_part, l_part,
-        *kcs, *kss, *vcs, *vss,
-        Hkv, M, n_q, split_len, n_splits, sm_scale * LOG2E, int(window or 0),
-        D=D, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N,
-        K_KIND=km["KIND"], K_BITS=km["BITS"], K_G=km["G"], K_PER=km["PER"],
-        V_KIND=vm["KIND"], V_BITS=vm["BITS"], V_G=vm["G"], V_PER=vm["PER"],
-        CAUSAL=bool(causal), HAS_WINDOW=window is not None, DOT_BF16=bf16, LUT=lut == "select",
-        num_warps=num_warps, num_stages=num_stages)
+    key = (km["KIND"], km["BITS"], vm["KIND"], vm["BITS"])
+    use_asm = (dec != "select" and dev.type == "cuda" and not _interpreting()
+               and key not in _ASM_BROKEN)
+    if dec == "asm" and not use_asm and key not in _ASM_BROKEN and dev.type == "cuda":
+        raise RuntimeError("dec='asm' needs compiled CUDA (not the interpreter)")
+    k_dec = int(use_asm and asm_ok(k_codec, BLOCK_N, num_warps))
+    v_dec = int(use_asm and asm_ok(v_codec, BLOCK_N, num_warps))
+    ka = asm_strings(k_codec) if k_dec else ("",) * 8
+    va = asm_strings(v_codec) if v_dec else ("",) * 8
+
+    def launch(kd, vd, ka, va):
+        _decode_kernel[grid](
+            qp, kc, ks, vc, vs, kcent, vcent, kv_lens, o_part, l_part,
+            *kcs, *kss, *vcs, *vss,
+            Hkv, M, n_q, split_len, n_splits, sm_scale * LOG2E, int(window or 0),
+            D=D, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N,
+            K_KIND=km["KIND"], K_BITS=km["BITS"], K_G=km["G"], K_GW=km["GW"], K_NPH=km["NPH"],
+            K_DEC=kd,
+            V_KIND=vm["KIND"], V_BITS=vm["BITS"], V_G=vm["G"], V_GW=vm["GW"], V_NPH=vm["NPH"],
+            V_DEC=vd,
+            CAUSAL=bool(causal), HAS_WINDOW=window is not None,
+            KA0=ka[0], KA1=ka[1], KA2=ka[2], KA3=ka[3], KA4=ka[4], KA5=ka[5], KA6=ka[6],
+            KA7=ka[7], VA0=va[0], VA1=va[1], VA2=va[2], VA3=va[3], VA4=va[4], VA5=va[5],
+            VA6=va[6], VA7=va[7], num_warps=num_warps, num_stages=num_stages)
+
+    if (k_dec or v_dec) and dec == "auto":
+        try:
+            launch(k_dec, v_dec, ka, va)
+        except Exception:  # an asm build problem on this toolchain: plain Triton from now on
+            if torch.cuda.is_current_stream_capturing():
+                raise
+            _ASM_BROKEN.add(key)
+            launch(0, 0, ("",) * 8, ("",) * 8)
+    else:
+        launch(k_dec, v_dec, ka, va)
     out = torch.empty(B, Hkv, M, D, dtype=torch.float32, device=dev)
     lse = torch.empty(B, Hkv, M, dtype=torch.float32, device=dev)
     _combine_kernel[(B * Hkv * M,)](o_part, l_part, out, lse, n_splits, D=D,

@@ -30,16 +30,18 @@ def _dequant_kernel(CODES, SCALES, CENT, ROTT, OUT, R, CB, NSC,
         GB: tl.constexpr = G * BITS // 8
         i = tl.arange(0, G)
         for g in tl.static_range(NG):
+            # planar layout (codecs/packing.py)
             if BITS == 3:
-                lo = tl.load(CODES + rc[:, None] + (g * GB + i // 4)[None, :], mask=m2, other=0)
-                hi = tl.load(CODES + rc[:, None] + (g * GB + G // 4 + i // 8)[None, :], mask=m2,
+                lo = tl.load(CODES + rc[:, None] + (g * GB + i % (G // 4))[None, :], mask=m2,
                              other=0)
-                idx = ((lo.to(tl.int32) >> (2 * (i % 4))[None, :]) & 3) | \
-                    (((hi.to(tl.int32) >> (i % 8)[None, :]) & 1) << 2)
+                hi = tl.load(CODES + rc[:, None] + (g * GB + G // 4 + i % (G // 8))[None, :],
+                             mask=m2, other=0)
+                idx = ((lo.to(tl.int32) >> (2 * (i // (G // 4)))[None, :]) & 3) | \
+                    (((hi.to(tl.int32) >> (i // (G // 8))[None, :]) & 1) << 2)
             else:
-                by = tl.load(CODES + rc[:, None] + (g * GB + (i * BITS) // 8)[None, :], mask=m2,
-                             other=0)
-                idx = (by.to(tl.int32) >> ((i * BITS) % 8)[None, :]) & ((1 << BITS) - 1)
+                NBY: tl.constexpr = G * BITS // 8
+                by = tl.load(CODES + rc[:, None] + (g * GB + i % NBY)[None, :], mask=m2, other=0)
+                idx = (by.to(tl.int32) >> ((i // NBY) * BITS)[None, :]) & ((1 << BITS) - 1)
             nrm = tl.load(SCALES + rs + g, mask=rmask, other=0.0).to(tl.float32)
             y = tl.load(CENT + idx) * nrm[:, None]
             if not ROTATED:
@@ -55,8 +57,9 @@ def _dequant_kernel(CODES, SCALES, CENT, ROTT, OUT, R, CB, NSC,
             sc = tl.load(SCALES + rs[:, None] + (d // 32)[None, :], mask=m2, other=0.0)
             y = q * sc.to(tl.float32)
         else:
-            by = tl.load(CODES + rc[:, None] + (d // 2)[None, :], mask=m2, other=0).to(tl.int32)
-            q = ((by >> (4 * (d % 2))[None, :]) & 15) - 8
+            by = tl.load(CODES + rc[:, None] + (d % (D // 2))[None, :], mask=m2,
+                         other=0).to(tl.int32)
+            q = ((by >> (4 * (d // (D // 2)))[None, :]) & 15) - 8
             sc = tl.load(SCALES + rs[:, None] + (d // 32)[None, :], mask=m2, other=0.0)
             y = q.to(tl.float32) * sc.to(tl.float32)
         tl.store(OUT + ro[:, None] + d[None, :], y.to(OUT.dtype.element_ty), mask=m2)

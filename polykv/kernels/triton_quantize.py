@@ -22,11 +22,12 @@ from .triton_codec import codec_meta
 
 @triton.jit
 def _pack(idx, BT: tl.constexpr, L: tl.constexpr, BITS: tl.constexpr):
-    """int32 indices [BT, L] (values < 2**BITS) -> packed byte values int32 [BT, L*BITS/8]."""
+    """int32 indices [BT, L] (values < 2**BITS) -> packed byte values int32 [BT, L*BITS/8] in the
+    planar layout of codecs/packing.py (byte j holds values j + r*L/PB at bits r*BITS)."""
     PB: tl.constexpr = 8 // BITS
-    v = tl.reshape(idx, [BT, L // PB, PB])
+    v = tl.reshape(idx, [BT, PB, L // PB])
     sh = tl.arange(0, PB) * BITS
-    return tl.sum(v << sh[None, None, :], 2)
+    return tl.sum(v << sh[None, :, None], 1)
 
 
 @triton.jit

@@ -145,12 +145,22 @@ def test_packing_roundtrip(bits):
 
 
 def test_turbo3_plane_layout():
-    # value i: low two bits in byte i//4 at bits 2*(i%4); high bit in byte G/4 + i//8 at bit i%8
+    # planar: value i of n=32: low two bits in byte i % 8 at bits 2*(i // 8); high bit in byte
+    # n/4 + i % 4 at bit i // 4
     idx = torch.zeros(1, 32, dtype=torch.uint8)
-    idx[0, 5] = 0b110
+    idx[0, 21] = 0b110
     packed = pack_indices(idx, 3)
-    assert packed[0, 1] == 0b10 << 2 and packed[0, 8] == 1 << 5
-    assert int(packed.sum()) == (0b10 << 2) + (1 << 5)
+    assert packed[0, 5] == 0b10 << 4 and packed[0, 8 + 1] == 1 << 5
+    assert int(packed.sum()) == (0b10 << 4) + (1 << 5)
+
+
+def test_planar_pow2_layout():
+    # 4-bit: byte j = value j (low nibble) | value j + n/2 (high nibble); 2-bit: value j + r*n/4 at 2r
+    idx = torch.arange(16, dtype=torch.uint8)[None]
+    p4 = pack_indices(idx, 4)
+    assert p4[0].tolist() == [j | ((j + 8) << 4) for j in range(8)]
+    idx2 = torch.tensor([[1, 0, 0, 0, 2, 0, 0, 0, 3, 0, 0, 0, 1, 0, 0, 0]], dtype=torch.uint8)
+    assert pack_indices(idx2, 2)[0].tolist() == [1 | (2 << 2) | (3 << 4) | (1 << 6), 0, 0, 0]
 
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32])
