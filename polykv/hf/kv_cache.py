@@ -304,13 +304,15 @@ class KVCache(Cache):
     innerq:          None | "auto" | path | InnerQTable — key channel scales, used only for turbo K.
     device:          where the compressed storage lives (default: where the K/V come from).
     keep_layers_q8:  the first n and the last n layers store K and V as q8_0.
+    overrides:       {layer_index: (k, v)} per-layer types (applied after keep_layers_q8).
     rotated_attention: run turbo K/V attention in the rotated domain (default True).
 
     Constructing a KVCache switches `model` to the "polykv" attention implementation.
     """
 
     def __init__(self, model, k: str = "q8_0", v: str = "turbo3", innerq=None, device=None,
-                 keep_layers_q8: int = 0, rotated_attention: bool = True):
+                 keep_layers_q8: int = 0, rotated_attention: bool = True,
+                 overrides: dict[int, tuple[str, str]] | None = None):
         check_codec_name(k)
         check_codec_name(v)
         layout = model_layout(model)
@@ -323,6 +325,10 @@ class KVCache(Cache):
         for lay in layout:
             kt, vt = (("q8_0", "q8_0") if keep and (lay.index < keep or lay.index >= n - keep)
                       else (k, v))
+            if overrides and lay.index in overrides:
+                kt, vt = overrides[lay.index]
+                check_codec_name(kt)
+                check_codec_name(vt)
             try:
                 get_codec(kt, lay.head_dim)
                 get_codec(vt, lay.head_dim)
@@ -333,7 +339,7 @@ class KVCache(Cache):
         super().__init__(layers=layers)
         self.k_type, self.v_type = k, v
         self.keep_layers_q8 = keep
-        self.innerq = table if (table is not None and get_codec(k, layout[0].head_dim).rotated) else None
+        self.innerq = table if (table is not None and any(lay.key_scales is not None for lay in layers)) else None
         self.rotated_attention = bool(rotated_attention)
         if self.innerq is not None and not self.rotated_attention:
             raise ValueError("InnerQ needs rotated_attention=True (keys are stored scaled)")
