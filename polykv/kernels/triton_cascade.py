@@ -1,7 +1,8 @@
 """Cascade attention: N agents over one shared compressed prefix plus private suffixes.
 
 Prefix pass: every agent's queries of one KV head group become rows of a single tile
-(N * group * n_q rows, in row tiles of up to 128), so each prefix K/V tile is read from memory once
+(N * group * n_q rows, in row tiles of up to 64: H200 v4 sweep, 306 us vs 359 us for 128), so
+each prefix K/V tile is read from memory once
 per row tile per step, not once per agent. Suffix pass: the decode kernel with per-agent lengths
 (causal). The two partial results are merged by log-sum-exp (`_merge_kernel`).
 """
@@ -52,7 +53,7 @@ def merge_triton(out_a, lse_a, out_b, lse_b, out_dtype=None):
 
 def cascade_prepared(qp: torch.Tensor, n_q: int, prefix_k: Packed, prefix_v: Packed,
                      suffix_k: Packed, suffix_v: Packed, suffix_lens: torch.Tensor, k_codec,
-                     v_codec, *, sm_scale: float, prefix_block_m: int = 128, **kw):
+                     v_codec, *, sm_scale: float, prefix_block_m: int = 64, **kw):
     """qp float32 [N, Hkv, M, D] in K's storage domain. Returns (out, lse) float32
     [N, Hkv, M, D] (V storage domain) / [N, Hkv, M]."""
     N, Hkv, M, D = qp.shape

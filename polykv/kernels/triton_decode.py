@@ -222,7 +222,7 @@ def _strides(p: Packed, bcast_b: bool):
 
 
 def _block_n(d: int) -> int:
-    return {64: 64, 128: 64, 256: 32, 512: 16}.get(d, 16)
+    return {64: 64, 128: 64, 256: 32, 512: 32}.get(d, 32)
 
 
 def _dummy(device):
@@ -271,7 +271,11 @@ def decode_prepared(qp: torch.Tensor, n_q: int, k: Packed, v: Packed, k_codec, v
     n_mt = triton.cdiv(M, BLOCK_M)
     BLOCK_N = block_n or (128 if BLOCK_M <= 16 and D <= 128 else _block_n(D))
     if num_warps is None:
-        num_warps = 8 if BLOCK_M >= 64 else 4
+        num_warps = 4  # H200 v4 sweep: 4 beat 8 for the 16-row decode and the 64/128-row cascade
+    # every byte chunk [BLOCK_N, W] must give each thread >= 4 elements (no replicated tiny tiles;
+    # the inline-asm lookup packs 4): raise BLOCK_N where a chunk would be too small
+    w_min = min(km["GW"] // km["NPH"], vm["GW"] // vm["NPH"])
+    BLOCK_N = max(BLOCK_N, triton.next_power_of_2(triton.cdiv(4 * 32 * num_warps, w_min)))
     target = target_programs or num_programs_target(dev)
     max_splits = max(1, triton.cdiv(S, BLOCK_N))
     n_splits = max(1, min(max_splits, triton.cdiv(target, B * Hkv * n_mt)))

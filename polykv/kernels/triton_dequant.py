@@ -39,9 +39,8 @@ def _dequant_kernel(CODES, SCALES, CENT, ROTT, OUT, R, CB, NSC,
                 idx = ((lo.to(tl.int32) >> (2 * (i // (G // 4)))[None, :]) & 3) | \
                     (((hi.to(tl.int32) >> (i // (G // 8))[None, :]) & 1) << 2)
             else:
-                NBY: tl.constexpr = G * BITS // 8
-                by = tl.load(CODES + rc[:, None] + (g * GB + i % NBY)[None, :], mask=m2, other=0)
-                idx = (by.to(tl.int32) >> ((i // NBY) * BITS)[None, :]) & ((1 << BITS) - 1)
+                by = tl.load(CODES + rc[:, None] + (g * GB + i % GB)[None, :], mask=m2, other=0)
+                idx = (by.to(tl.int32) >> ((i // GB) * BITS)[None, :]) & ((1 << BITS) - 1)
             nrm = tl.load(SCALES + rs + g, mask=rmask, other=0.0).to(tl.float32)
             y = tl.load(CENT + idx) * nrm[:, None]
             if not ROTATED:
