@@ -1,9 +1,8 @@
 """Cascade attention: N agents over one shared compressed prefix plus private suffixes.
 
 Prefix pass: every agent's queries of one KV head group become rows of a single tile
-(N * group * n_q rows, in row tiles of up to 64: H200 v4 sweep, 306 us vs 359 us for 128), so
-each prefix K/V tile is read from memory once
-per row tile per step, not once per agent. Suffix pass: the decode kernel with per-agent lengths
+(N * group * n_q rows, in row tiles of up to 64: H200 v4 sweep, 306 us vs 359 us for 128), so each
+prefix K/V tile is read from memory once per row tile per step, not once per agent. Suffix pass: the decode kernel with per-agent lengths
 (causal). The two partial results are merged by log-sum-exp (`_merge_kernel`).
 """
 
