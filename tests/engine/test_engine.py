@@ -146,3 +146,16 @@ def test_call_runs_on_engine_thread_and_shutdown_joins(setup):
         eng.submit(GenerationRequest(p, SamplingParams(max_tokens=1)))
     with pytest.raises(EngineClosedError):
         eng.call(lambda: 1).result(1)
+
+
+def test_plain_after_document_agents_still_exact(setup):
+    """Plain (dense) requests interleaved with document agents on the same model stay exact."""
+    model, tok, pool, doc = setup
+    prompt = tok("Plain after shared", add_special_tokens=False)["input_ids"]
+    with Engine(pool) as eng:
+        hs = [eng.submit(GenerationRequest(prompt, SamplingParams(max_tokens=6, temperature=0, ignore_eos=True),
+                                           document=doc if i else None)) for i in range(4)]
+        plain = hs[0].result_sync(timeout=60)[0]
+        for h in hs[1:]:
+            h.result_sync(timeout=60)
+    assert plain == tok.decode(_reference_greedy(model, prompt, 6), skip_special_tokens=True)
