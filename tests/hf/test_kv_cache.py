@@ -78,6 +78,30 @@ def test_batch_with_left_padding():
     assert torch.equal(single[0, 13:], out[1, 20:])
 
 
+def test_attend_receives_sdpa_masks(monkeypatch):
+    """The "polykv" mask function is sdpa_mask: a 4D boolean mask sized by get_mask_sizes, or None
+    where SDPA's is_causal applies (unpadded prefill / single-token decode)."""
+    m = tiny_llama()
+    seen = []
+    orig = KVCache.attend
+
+    def spy(self, module, query, key, value, attention_mask, **kw):
+        seen.append((query.shape[2], None if attention_mask is None else
+                     (attention_mask.dtype, tuple(attention_mask.shape))))
+        return orig(self, module, query, key, value, attention_mask, **kw)
+
+    monkeypatch.setattr(KVCache, "attend", spy)
+    ids = torch.randint(1, 97, (2, 10))
+    am = torch.ones(2, 10, dtype=torch.long)
+    am[0, :3] = 0
+    kv_generate(m, input_ids=ids, attention_mask=am, max_new_tokens=3, **GREEDY)
+    assert seen[0] == (10, (torch.bool, (2, 1, 10, 10)))
+    assert seen[-1] == (1, (torch.bool, (2, 1, 1, 12)))
+    seen.clear()
+    kv_generate(m, input_ids=ids, max_new_tokens=2, **GREEDY)
+    assert seen[0] == (10, None) and seen[-1] == (1, None)
+
+
 def test_sliding_window_matches_dynamic_and_stays_bounded():
     m = tiny_gemma(window=8)
     ids = torch.randint(1, 97, (1, 30))
