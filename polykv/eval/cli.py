@@ -104,6 +104,7 @@ def equiv(k: str = typer.Option("q8_0", "--k", help=K_HELP), v: str = typer.Opti
           model: Optional[str] = typer.Option(None, "--model", help=MODEL_HELP),
           prompts: Optional[Path] = typer.Option(None, "--prompts", help="JSONL {context, question, needle} per line (see `polykv eval --help`)"),
           max_new_tokens: int = typer.Option(24, "--max-new-tokens"),
+          limit: Optional[int] = typer.Option(None, "--limit", help="use only the first N prompts"),
           innerq: Optional[str] = typer.Option(None, "--innerq", help=INNERQ_HELP),
           keep_layers_q8: int = typer.Option(0, "--keep-layers-q8"),
           threads: Optional[int] = typer.Option(None, "--threads"),
@@ -113,7 +114,10 @@ def equiv(k: str = typer.Option("q8_0", "--k", help=K_HELP), v: str = typer.Opti
     from .equiv import eval_equiv
 
     m, tok = _load(model, threads)
-    r = eval_equiv(m, tok, k, v, prompts=prompts, innerq=_innerq(innerq), keep_layers_q8=keep_layers_q8,
+    from .common import load_prompts
+
+    plist = load_prompts(prompts)[:limit] if limit else prompts
+    r = eval_equiv(m, tok, k, v, prompts=plist, innerq=_innerq(innerq), keep_layers_q8=keep_layers_q8,
                    max_new_tokens=max_new_tokens)
     _emit(r, as_json, lambda r: _kv_table(f"equiv K {k} / V {v}", r,
                                           ["verdict", "real_frac", "mean_tv", "p95_tv", "recall_mismatch", "n",
@@ -150,6 +154,9 @@ def tiers(ctx: int = typer.Option(2048, "--ctx"),
           windows: Optional[int] = typer.Option(None, "--windows"),
           keep_layers_q8: int = typer.Option(0, "--keep-layers-q8"),
           no_equiv: bool = typer.Option(False, "--no-equiv", help="skip the logit-equivalence columns"),
+          no_ppl: bool = typer.Option(False, "--no-ppl", help="skip the perplexity / bytes columns"),
+          limit: Optional[int] = typer.Option(None, "--limit", help="use only the first N prompts"),
+          max_new_tokens: int = typer.Option(24, "--max-new-tokens"),
           markdown: bool = typer.Option(False, "--markdown", help="print a Markdown table"),
           threads: Optional[int] = typer.Option(None, "--threads"),
           as_json: bool = typer.Option(False, "--json")):
@@ -157,8 +164,12 @@ def tiers(ctx: int = typer.Option(2048, "--ctx"),
     from .tiers import eval_tiers, to_markdown
 
     m, tok = _load(model, threads)
-    r = eval_tiers(m, tok, ctx=ctx, text=text, windows=windows, prompts=prompts,
-                   keep_layers_q8=keep_layers_q8, equiv=not no_equiv)
+    from .common import load_prompts
+
+    plist = load_prompts(prompts)[:limit] if limit else prompts
+    r = eval_tiers(m, tok, ctx=ctx, text=text, windows=windows, prompts=plist,
+                   keep_layers_q8=keep_layers_q8, equiv=not no_equiv, ppl=not no_ppl,
+                   max_new_tokens=max_new_tokens)
     if markdown and not as_json:
         sys.stdout.write(to_markdown(r) + "\n")
         return
@@ -166,7 +177,8 @@ def tiers(ctx: int = typer.Option(2048, "--ctx"),
     def render(r):
         from rich.table import Table
 
-        t = Table(title=f"KV tiers @ {ctx} (ppl_ref {r['ppl_ref']:.3f})")
+        ref = "—" if r["ppl_ref"] is None else f"{r['ppl_ref']:.3f}"
+        t = Table(title=f"KV tiers @ {ctx} (ppl_ref {ref})")
         for c in ("K", "V", "bits/value", "KV bytes", "ppl Δ%", "mean TV", "p95 TV", "real_frac", "recall mm", "verdict"):
             t.add_column(c)
         for row in r["rows"]:
