@@ -119,10 +119,13 @@ async def _load(url: str, doc_id: str, model_name: str, n_clients: int, per_clie
 
 def bench_serve(n_clients: int = 32, requests_per_client: int = 8, max_tokens: int = 16, model=None,
                 k: str = "q8_0", v: str = "turbo3", document: str | None = None, time_limit_s: float = 900.0,
-                request_timeout_s: float = 300.0, max_agents: int = 64, _model_tok=None) -> dict:
+                request_timeout_s: float = 600.0, max_agents: int = 64, torch_threads: int | None = None,
+                _model_tok=None) -> dict:
     """Run the bounded load and return a dict of figures (see module doc).
 
-    `model`: as for `polykv.load_model` (None: the embedded SmolLM2). `_model_tok`: an already loaded
+    `model`: as for `polykv.load_model` (None: the embedded SmolLM2). `torch_threads`: intra-op threads
+    for the engine (None: torch's default; 1 is much faster on an oversubscribed shared CPU).
+    `_model_tok`: an already loaded
     (model, tokenizer) pair (tests). Everything is stopped before returning, also on errors.
     """
     import httpx
@@ -138,7 +141,7 @@ def bench_serve(n_clients: int = 32, requests_per_client: int = 8, max_tokens: i
         m, tok = load_model(model)
         name = str(model or "smollm2-135m")
     pool = build_pool(m, tok, k=k, v=v)
-    app = create_app(pool, model_name=name, k=k, v=v, engine_kwargs={"max_agents": max_agents})
+    app = create_app(pool, model_name=name, k=k, v=v, engine_kwargs={"max_agents": max_agents, "num_threads": torch_threads})
     state = app.state.polykv
     with ServerThread(app) as srv:
         r = httpx.post(srv.url + "/v1/documents", json={"text": document or DEFAULT_DOC, "name": "bench"},
@@ -149,7 +152,7 @@ def bench_serve(n_clients: int = 32, requests_per_client: int = 8, max_tokens: i
         deadline = time.monotonic() + time_limit_s
         res = asyncio.run(_load(srv.url, doc["id"], name, n_clients, requests_per_client, max_tokens, deadline,
                                 request_timeout_s))
-        mem = httpx.get(srv.url + "/v1/status", timeout=30).json()["memory"]
+        mem = state.engine.call(state.memory_sync).result(timeout=600)
         steps = state.engine.steps - steps0
     total = n_clients * requests_per_client
     lost = total - res["ok"] - len(res["errors"])
@@ -187,5 +190,8 @@ if __name__ == "__main__":  # pragma: no cover
     ap.add_argument("--requests", type=int, default=8)
     ap.add_argument("--max-tokens", type=int, default=16)
     ap.add_argument("--model", default=None)
+    ap.add_argument("--torch-threads", type=int, default=None)
+    ap.add_argument("--time-limit", type=float, default=900.0)
     a = ap.parse_args()
-    print(json.dumps(bench_serve(a.clients, a.requests, a.max_tokens, a.model), indent=2))
+    print(json.dumps(bench_serve(a.clients, a.requests, a.max_tokens, a.model, time_limit_s=a.time_limit,
+                                 torch_threads=a.torch_threads), indent=2))

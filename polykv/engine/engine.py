@@ -10,8 +10,8 @@ through thread-safe queues only:
   memory reports, save) and returns a ``concurrent.futures.Future``.
 
 The loop, per iteration: run queued calls; drop cancelled requests; admit waiting requests (at most
-``max_prefill_per_step`` per iteration, so prefill of newcomers interleaves with decode of the
-running ones) into the AgentBatch of their document (one batch per document, opened on demand,
+``max_prefill_per_step`` requests and ``prefill_token_budget`` prompt tokens per iteration, so
+prefill of newcomers interleaves with decode of the running ones instead of stalling it) into the AgentBatch of their document (one batch per document, opened on demand,
 closed when empty; requests without a document go to a dense batch); then step every batch in turn,
 sample one token per agent with its own sampler, stream it, and retire agents that hit eos, a stop
 string or ``max_tokens``. Requests join and leave between steps.
@@ -180,9 +180,9 @@ class Engine:
     """
 
     def __init__(self, pool=None, model=None, tok=None, *, max_agents: int = 64,
-                 max_prefill_per_step: int = 4, max_waiting: int = 1024,
+                 max_prefill_per_step: int = 32, prefill_token_budget: int = 2048, max_waiting: int = 1024,
                  on_step: Callable[[float, int], None] | None = None,
-                 plain_batch_factory: Callable[[], Any] | None = None):
+                 plain_batch_factory: Callable[[], Any] | None = None, num_threads: int | None = None):
         self.pool = pool
         self.model = model if model is not None else getattr(pool, "model", None)
         self.tok = tok if tok is not None else getattr(pool, "tok", None)
@@ -190,6 +190,8 @@ class Engine:
             raise ValueError("Engine needs a model and a tokenizer (directly or through the pool)")
         self.max_agents = max_agents
         self.max_prefill_per_step = max_prefill_per_step
+        self.prefill_token_budget = prefill_token_budget
+        self.num_threads = num_threads
         self.max_waiting = max_waiting
         self.on_step = on_step
         self._plain_factory = plain_batch_factory or (lambda: DenseBatch(self.model))
@@ -310,6 +312,10 @@ class Engine:
 
     def _run(self) -> None:
         torch.set_grad_enabled(False)
+        if self.num_threads:
+            # process-wide intra-op threads; on an oversubscribed CPU fewer threads avoid OpenMP
+            # spin-waiting (measured: 32-agent SmolLM2 decode step 0.37 s with 1 thread vs 1-8 s with 2)
+            torch.set_num_threads(int(self.num_threads))
         try:
             while not self._stop.is_set():
                 idle = not self._live and not self._waiting
@@ -385,9 +391,13 @@ class Engine:
 
     def _admit(self) -> None:
         n = 0
+        budget = self.prefill_token_budget
         while self._waiting and n < self.max_prefill_per_step and len(self._live) < self.max_agents:
+            req = self._waiting[0].request
+            if n and len(req.prompt_ids) > budget:
+                break  # prefill token budget of this step spent; the rest joins next step
             h = self._waiting.popleft()
-            req = h.request
+            budget -= len(req.prompt_ids)
             key = _PLAIN if req.document is None else req.document
             try:
                 batch = self._batches.get(key)
