@@ -58,15 +58,17 @@ def _make_app(model=None, k="q8_0", v="turbo3", store=None, budget_bytes=None, *
 
 def serve(host: str = "127.0.0.1", port: int = 8000, model: str | None = None, k: str = "q8_0",
           v: str = "turbo3", store: str | None = None, budget_bytes: int | None = None,
-          log_level: str = "info") -> None:
+          log_level: str = "info", torch_threads: int | None = None) -> None:
     """Load the model, build (or load from `store`) the pool and serve until interrupted.
 
+    `torch_threads`: intra-op threads of the engine (None: torch's default).
     Ctrl-C / SIGTERM: uvicorn stops accepting, the app's lifespan ends and the engine thread is
     joined before this returns.
     """
     import uvicorn
 
-    app = _make_app(model=model, k=k, v=v, store=store, budget_bytes=budget_bytes)
+    app = _make_app(model=model, k=k, v=v, store=store, budget_bytes=budget_bytes,
+                    engine_kwargs={"num_threads": torch_threads})
     uvicorn.run(app, host=host, port=port, log_level=log_level, timeout_graceful_shutdown=5)
 
 

@@ -75,3 +75,63 @@ def test_documents_persist_across_restart(tiny, tmp_path):
         r2 = httpx.post(srv.url + "/v1/completions", timeout=60,
                         json={"prompt": "Ships", "max_tokens": 6, "temperature": 0, "document": d["id"]}).json()
         assert r2["choices"][0]["text"] == r1["choices"][0]["text"]
+
+
+def _wait_health(url, proc, timeout=180):
+    deadline = time.time() + timeout
+    while time.time() < deadline:
+        if proc.poll() is not None:
+            raise AssertionError(f"server exited early: {proc.stdout.read()[-3000:]}")
+        try:
+            if httpx.get(url + "/health", timeout=2).status_code == 200:
+                return
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.3)
+    raise AssertionError("server did not come up")
+
+
+@pytest.mark.model
+def test_serve_process_store_and_sigint(tmp_path):
+    """`serve(...)` in its own process: --store persists documents across a restart; SIGINT exits 0."""
+    import signal
+    import subprocess
+    import sys
+
+    from polykv.server import free_port
+
+    from ..engine._models import real_model
+
+    real_model()  # skip when the embedded model is not installed; also warms the converted cache
+    store = tmp_path / "store"
+    port = free_port()
+    url = f"http://127.0.0.1:{port}"
+    code = f"from polykv.server import serve; serve(port={port}, store={str(store)!r}, log_level='warning')"
+
+    def start():
+        return subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                                text=True)
+
+    p = start()
+    try:
+        _wait_health(url, p)
+        d = httpx.post(url + "/v1/documents", json={"text": DOC_TEXT, "name": "persisted"}, timeout=120).json()
+        p.send_signal(signal.SIGINT)
+        assert p.wait(60) == 0
+    finally:
+        if p.poll() is None:
+            p.kill()
+    p = start()
+    try:
+        _wait_health(url, p)
+        docs = httpx.get(url + "/v1/documents").json()["data"]
+        assert [(x["id"], x["name"]) for x in docs] == [(d["id"], "persisted")]
+        r = httpx.post(url + "/v1/chat/completions", timeout=300,
+                       json={"messages": [{"role": "user", "content": "How many ships?"}], "max_tokens": 4,
+                             "document": d["id"]})
+        assert r.status_code == 200, r.text
+        p.send_signal(signal.SIGINT)
+        assert p.wait(60) == 0
+    finally:
+        if p.poll() is None:
+            p.kill()
