@@ -1,7 +1,7 @@
 #!/usr/bin/env python
 """Screenshot the polykv status page (GET /) in headless Chromium while agents are running.
 
-    python scripts/screenshot_status.py --out docs/images/status.png            # SmolLM2, own server
+    python scripts/screenshot_status.py --out /tmp/status.png                   # SmolLM2, own server
     python scripts/screenshot_status.py --tiny --out /tmp/status.png            # tiny random model
     python scripts/screenshot_status.py --url http://127.0.0.1:8000 --out s.png # an existing server
 
@@ -73,7 +73,7 @@ def _tiny_model():
     return LlamaForCausalLM(cfg).eval(), tok
 
 
-def run_with_own_server(out: Path, tiny: bool, agents: int, wait_ms: int) -> Path:
+def run_with_own_server(out: Path, tiny: bool, agents: int, wait_ms: int, torch_threads: int | None = 1) -> Path:
     import httpx
 
     from polykv.server import ServerThread, build_pool, create_app
@@ -86,7 +86,7 @@ def run_with_own_server(out: Path, tiny: bool, agents: int, wait_ms: int) -> Pat
 
         model, tok = load_model()
         name = "smollm2-135m"
-    app = create_app(build_pool(model, tok), model_name=name)
+    app = create_app(build_pool(model, tok), model_name=name, engine_kwargs={"num_threads": torch_threads})
     stop = threading.Event()
     with ServerThread(app) as srv:
         doc = httpx.post(srv.url + "/v1/documents", json={"text": DOC, "name": "library-memo"}, timeout=300).json()
@@ -110,7 +110,7 @@ def run_with_own_server(out: Path, tiny: bool, agents: int, wait_ms: int) -> Pat
         for t in threads:
             t.start()
         deadline = time.time() + 60
-        while httpx.get(srv.url + "/v1/status").json()["live_agents"] < agents and time.time() < deadline:
+        while httpx.get(srv.url + "/v1/status", timeout=60).json()["live_agents"] < agents and time.time() < deadline:
             time.sleep(0.2)
         time.sleep(1.5)  # let the tokens/s window fill
         try:
@@ -123,16 +123,17 @@ def run_with_own_server(out: Path, tiny: bool, agents: int, wait_ms: int) -> Pat
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--out", default="docs/images/status.png")
+    ap.add_argument("--out", default=os.path.join(tempfile.gettempdir(), "polykv-status.png"))
     ap.add_argument("--url", default=None, help="screenshot an already running server instead")
     ap.add_argument("--tiny", action="store_true", help="tiny random model (fast; numbers only)")
     ap.add_argument("--agents", type=int, default=4)
     ap.add_argument("--wait-ms", type=int, default=4000, help="page time before the shot (virtual)")
+    ap.add_argument("--torch-threads", type=int, default=1, help="engine intra-op threads (0: torch default)")
     a = ap.parse_args(argv)
     if a.url:
         path = screenshot(a.url.rstrip("/") + "/", Path(a.out), wait_ms=a.wait_ms)
     else:
-        path = run_with_own_server(Path(a.out), a.tiny, a.agents, a.wait_ms)
+        path = run_with_own_server(Path(a.out), a.tiny, a.agents, a.wait_ms, a.torch_threads or None)
     print(path)
     return 0
 

@@ -73,6 +73,7 @@ class ServerState:
         self.docs: dict[str, dict] = {}
         self._mem: dict = {}
         self._mem_at = 0.0
+        self._mem_fut = None
         self._tok_hist: list[tuple[float, int]] = []
         self.metrics = Metrics(self)
 
@@ -162,13 +163,24 @@ class ServerState:
         rep["ratio_live"] = round(rep["kv_bytes_naive_f16_agents"] / used, 3) if used else None
         rep["live_agents"] = self.engine.live_agents()
 
-    async def memory(self, max_age: float = 1.0) -> dict:
+    async def memory(self, max_age: float = 1.0, wait: float = 1.0) -> dict:
+        """The pool's memory report, refreshed on the engine thread at most every `max_age` s.
+        Waits at most `wait` s for a refresh (a long model step delays it); otherwise answers with
+        the last report while the refresh completes in the background."""
         if time.monotonic() - self._mem_at > max_age:
+            fut = self._mem_fut
+            if fut is None or fut.done():
+                fut = self._mem_fut = self.engine.call(self.memory_sync)
+
+                def store(f):
+                    if not f.cancelled() and f.exception() is None:
+                        self._mem, self._mem_at = f.result(), time.monotonic()
+
+                fut.add_done_callback(store)
             try:
-                self._mem = await asyncio.wait_for(asyncio.wrap_future(self.engine.call(self.memory_sync)), 5.0)
-                self._mem_at = time.monotonic()
-            except Exception as exc:  # engine busy or stopped: keep the last report
-                log.debug("memory report failed: %s", exc)
+                await asyncio.wait_for(asyncio.shield(asyncio.wrap_future(fut)), wait)
+            except Exception as exc:  # slow step or engine stopped: keep the last report
+                log.debug("memory report not ready: %s", exc)
         return self._mem
 
     def tokens_per_s(self) -> float:
