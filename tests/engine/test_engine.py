@@ -61,7 +61,7 @@ def test_many_requests_join_and_leave(setup):
             assert usage["completion_tokens"] == 3 + i % 4
         assert eng.live_agents() == 0 and eng.users_of(doc) == 0
         assert max(steps) > 1  # agents were batched together
-        assert eng._batches == {}  # batches closed when empty
+        assert eng.call(lambda: dict(eng._batches)).result(10) == {}  # batches closed when empty
 
 
 def test_seeded_sampling_independent_of_neighbours(setup):
@@ -159,3 +159,18 @@ def test_plain_after_document_agents_still_exact(setup):
         for h in hs[1:]:
             h.result_sync(timeout=60)
     assert plain == tok.decode(_reference_greedy(model, prompt, 6), skip_special_tokens=True)
+
+
+def test_two_documents_batched_separately(setup):
+    model, tok, pool, doc = setup
+    doc2 = pool.add_document("A completely different second document about tides and harbours. " * 4)
+    p = tok("Tell me", add_special_tokens=False)["input_ids"]
+    with Engine(pool) as eng:
+        hs = [eng.submit(GenerationRequest(p, SamplingParams(max_tokens=5, temperature=0, ignore_eos=True),
+                                           document=d)) for d in (doc, doc2, doc, doc2)]
+        time.sleep(0.05)
+        by_doc = eng.agents_by_document()
+        res = [h.result_sync(timeout=60)[0] for h in hs]
+        assert eng.call(lambda: dict(eng._batches)).result(10) == {}
+    assert res[0] == res[2] and res[1] == res[3]  # same doc + prompt + greedy: same answer
+    assert set(by_doc) <= {doc, doc2}

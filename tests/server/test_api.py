@@ -115,11 +115,13 @@ def test_health_metrics_status(server, client, doc):
 def test_disconnect_cancels_agent(server, doc):
     import time
 
-    body = {"prompt": "Endless", "max_tokens": 900, "temperature": 0, "stream": True, "document": doc["id"],
+    body = {"prompt": "Endless", "max_tokens": 700, "temperature": 0, "stream": True, "document": doc["id"],
             "ignore_eos": True}
     with httpx.stream("POST", server.url + "/v1/completions", json=body, timeout=60) as r:
+        assert r.status_code == 200
         it = r.iter_lines()
         next(it)
+        assert httpx.get(server.url + "/v1/status").json()["live_agents"] == 1
     # client closed the connection: the agent must go away at a following step
     deadline = time.time() + 20
     while time.time() < deadline:
@@ -127,6 +129,7 @@ def test_disconnect_cancels_agent(server, doc):
             break
         time.sleep(0.1)
     assert httpx.get(server.url + "/v1/status").json()["live_agents"] == 0
+    assert engine.tokens_generated - before < 700  # stopped early, not run to max_tokens
 
 
 def test_concurrent_requests_all_answered(client, doc):
@@ -143,3 +146,18 @@ def test_concurrent_requests_all_answered(client, doc):
     for t in ts:
         t.join(60)
     assert sorted(out) == list(range(8))
+
+
+def test_disconnect_non_streaming_cancels_agent(server, doc):
+    import time
+
+    body = {"prompt": "Endless", "max_tokens": 700, "temperature": 0, "document": doc["id"], "ignore_eos": True}
+    engine = server.config.app.state.polykv.engine
+    before = engine.tokens_generated
+    with pytest.raises(httpx.TimeoutException):
+        httpx.post(server.url + "/v1/completions", json=body, timeout=0.3)
+    deadline = time.time() + 20
+    while time.time() < deadline and httpx.get(server.url + "/v1/status").json()["live_agents"]:
+        time.sleep(0.1)
+    assert httpx.get(server.url + "/v1/status").json()["live_agents"] == 0
+    assert engine.tokens_generated - before < 700  # stopped early, not run to max_tokens
