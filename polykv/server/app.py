@@ -497,9 +497,16 @@ def create_app(engine_or_pool, tok=None, *, model_name: str = "smollm2-135m", k:
 
     async def _collect(handle, request: Request):
         parts = []
+        checked = time.monotonic()
         try:
             while True:
                 ev = await _first_event(handle, request)
+                if ev is not None and time.monotonic() - checked > 0.5:
+                    # events may flow without pause: look for a disconnect between them too
+                    checked = time.monotonic()
+                    if await request.is_disconnected():
+                        handle.cancel()
+                        ev = None
                 if ev is None:
                     raise APIError(400, "client disconnected", code="client_disconnected")
                 if ev.kind == "token":
