@@ -192,12 +192,16 @@ def bench_serve_cmd(
     requests: int = typer.Option(8, "--requests", help="Requests per client."),
     max_tokens: int = typer.Option(16, "--max-tokens"),
     model: Optional[str] = typer.Option(None, "--model"),
+    torch_threads: Optional[int] = typer.Option(None, "--torch-threads", help="Engine intra-op threads "
+                                                "(1 is fastest on a small shared CPU)."),
+    time_limit: float = typer.Option(900.0, "--time-limit", help="Stop the load after this many seconds."),
     json_out: bool = typer.Option(False, "--json"),
 ):
     """Bounded loopback load: N concurrent clients x M requests over one shared document."""
     from .bench.serve import bench_serve
 
-    result = bench_serve(n_clients=clients, requests_per_client=requests, max_tokens=max_tokens, model=model)
+    result = bench_serve(n_clients=clients, requests_per_client=requests, max_tokens=max_tokens, model=model,
+                         torch_threads=torch_threads, time_limit_s=time_limit)
     if json_out:
         emit(result)
     else:
@@ -213,11 +217,13 @@ def serve(
     v: str = typer.Option("turbo3", "--v"),
     store: Optional[str] = typer.Option(None, "--store", help="Directory where documents persist."),
     budget_bytes: Optional[int] = typer.Option(None, "--budget-bytes", help="KV memory budget."),
+    torch_threads: Optional[int] = typer.Option(None, "--torch-threads", help="Engine intra-op threads."),
 ):
     """OpenAI-compatible HTTP server over shared compressed documents."""
     from .server import serve as _serve
 
-    _serve(host=host, port=port, model=model, k=k, v=v, store=store, budget_bytes=budget_bytes)
+    _serve(host=host, port=port, model=model, k=k, v=v, store=store, budget_bytes=budget_bytes,
+           torch_threads=torch_threads)
 
 
 def main() -> None:
