@@ -11,6 +11,8 @@ from dataclasses import dataclass, field
 
 import torch
 
+from ..pool.sampling import sample_next
+
 __all__ = ["SamplingParams", "Sampler", "StopChecker", "sample_token"]
 
 
@@ -55,26 +57,9 @@ def sample_token(logits: torch.Tensor, params: SamplingParams, generator: torch.
     filtered by top-k then top-p (the smallest set of most likely tokens whose probability reaches
     ``top_p``; the most likely token always stays), and one token is drawn with ``generator``.
     """
-    logits = logits.detach().reshape(-1).to(torch.float32)
     if params.greedy:
-        return int(torch.argmax(logits).item())
-    x = logits / float(params.temperature)
-    vocab = x.numel()
-    if params.top_k is not None and 0 < params.top_k < vocab:
-        kth = torch.topk(x, params.top_k).values[-1]
-        x = torch.where(x < kth, torch.full_like(x, float("-inf")), x)
-    if params.top_p < 1.0:
-        sorted_x, order = torch.sort(x, descending=True)
-        probs = torch.softmax(sorted_x, dim=-1)
-        before = torch.cumsum(probs, dim=-1) - probs  # mass strictly before each token
-        drop = before >= params.top_p
-        drop[0] = False
-        sorted_x = sorted_x.masked_fill(drop, float("-inf"))
-        x = torch.full_like(x, float("-inf")).scatter(0, order, sorted_x)
-    probs = torch.softmax(x, dim=-1)
-    if not torch.isfinite(probs).all() or probs.sum() <= 0:  # all -inf / nan logits: fall back
-        return int(torch.argmax(logits).item())
-    return int(torch.multinomial(probs, 1, generator=generator).item())
+        return int(torch.argmax(logits.detach().reshape(-1).float()))
+    return sample_next(logits, params.temperature, params.top_p, params.top_k, generator)
 
 
 class Sampler:

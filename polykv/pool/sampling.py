@@ -1,24 +1,32 @@
-"""Next-token choice for pool.generate: greedy, temperature, top-k, top-p (nucleus)."""
+"""Next-token choice: greedy, temperature, top-k, top-p (nucleus). Shared by pool.generate and the
+serving engine (which adds per-request parameters and stop strings on top)."""
 
 from __future__ import annotations
 
 import torch
 
 
-def sample_next(logits: torch.Tensor, temperature: float = 0.0, top_p: float = 1.0, top_k: int = 0,
+def sample_next(logits: torch.Tensor, temperature: float = 0.0, top_p: float = 1.0, top_k: int | None = 0,
                 generator: torch.Generator | None = None) -> int:
-    """logits float [vocab] -> token id. temperature <= 0: argmax."""
+    """logits float [vocab] -> token id.
+
+    temperature <= 0: argmax (ties: lowest id). Otherwise logits / temperature, filtered by top-k,
+    then top-p (the smallest set of most likely tokens whose probability reaches top_p; the most
+    likely token always stays), and one token drawn with `generator`."""
+    logits = logits.detach().reshape(-1).float()
     if temperature is None or temperature <= 0:
         return int(torch.argmax(logits))
-    x = logits.float() / float(temperature)
+    x = logits / float(temperature)
     if top_k and 0 < top_k < x.numel():
         kth = torch.topk(x, top_k).values[-1]
         x = x.masked_fill(x < kth, float("-inf"))
     if top_p is not None and top_p < 1.0:
-        sx, si = torch.sort(x, descending=True)
-        cp = torch.softmax(sx, -1).cumsum(-1)
-        drop = cp - torch.softmax(sx, -1) >= top_p  # keep the smallest set reaching top_p
-        sx = sx.masked_fill(drop, float("-inf"))
-        x = torch.full_like(x, float("-inf")).scatter(0, si, sx)
+        sx, order = torch.sort(x, descending=True)
+        probs = torch.softmax(sx, -1)
+        drop = torch.cumsum(probs, -1) - probs >= top_p  # mass strictly before each token
+        drop[0] = False
+        x = torch.full_like(x, float("-inf")).scatter(0, order, sx.masked_fill(drop, float("-inf")))
     p = torch.softmax(x, -1)
+    if not bool(torch.isfinite(p).all()) or float(p.sum()) <= 0:  # all -inf / nan logits
+        return int(torch.argmax(logits))
     return int(torch.multinomial(p, 1, generator=generator))
