@@ -61,16 +61,20 @@ def uses_chat_template(tok) -> bool:
     return bool(getattr(tok, "chat_template", None))
 
 
-def format_prompt(tok, context: str, question: str) -> list[int]:
+def format_prompt(tok, context: str, question: str, answer_prefix: str = "") -> list[int]:
     """Token ids of a recall prompt: the chat template (one user message "<context>\\n\\n<question>",
     generation prompt added) when the tokenizer has one (SmolLM2-Instruct), else a plain completion
-    prompt "<context>\\n\\nQuestion: <question>\\nAnswer:" (Gemma-3 base)."""
+    prompt "<context>\\n\\nQuestion: <question>\\nAnswer:" (Gemma-3 base). `answer_prefix` (RULER
+    style) is appended after the generation prompt / "Answer:"."""
     if uses_chat_template(tok):
         msgs = [{"role": "user", "content": context + "\n\n" + question}]
-        ids = tok.apply_chat_template(msgs, add_generation_prompt=True, tokenize=True,
-                                      return_dict=True)["input_ids"]
-        return list(ids)
-    return list(tok(context + "\n\nQuestion: " + question + "\nAnswer:")["input_ids"])
+        ids = list(tok.apply_chat_template(msgs, add_generation_prompt=True, tokenize=True,
+                                           return_dict=True)["input_ids"])
+        if answer_prefix:
+            ids += tok(answer_prefix, add_special_tokens=False)["input_ids"]
+        return ids
+    tail = " " + answer_prefix if answer_prefix else ""
+    return list(tok(context + "\n\nQuestion: " + question + "\nAnswer:" + tail)["input_ids"])
 
 
 def eos_ids(tok, model=None) -> set[int]:

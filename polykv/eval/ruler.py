@@ -6,6 +6,8 @@ niah: one "The special magic number for <key> is: <7 digits>." sentence hidden i
 vt:   variable tracking: "VAR <A> = <5 digits>." then hops "VAR <B> = <A>." ... (one chain of 5
       variables, 4 hops) scattered through the filler in order. Question: which variables are
       assigned the value. Correct (exact) when the answer names every variable of the chain.
+The generation prompt is followed by a RULER-style answer prefix ("The special magic number for
+<key> is:" / "... they are:"), so the model answers directly.
 score = % of samples correct with the cache under test; score_ref = the same with f16 KV.
 """
 
@@ -67,7 +69,7 @@ def make_sample(tok, task: str, ctx: int, rng: random.Random, depth: float, para
         pos = round(depth * len(body))
         body.insert(pos, needle)
         return {"context": "\n\n".join(body), "question": _question_niah(key), "answers": [value],
-                "depth": depth}
+                "depth": depth, "prefix": f"The special magic number for {key} is:"}
     if task == "vt":
         names = set()
         while len(names) < 5:
@@ -82,7 +84,9 @@ def make_sample(tok, task: str, ctx: int, rng: random.Random, depth: float, para
         for j, (slot, st) in enumerate(zip(slots, stmts)):
             body.insert(slot + j, st)
         return {"context": "\n\n".join(body), "question": _question_vt(value), "answers": names,
-                "depth": depth}
+                "depth": depth,
+                "prefix": ("According to the chain of variable assignments in the text above, 5 variables "
+                           f"are assigned the value {value}, they are:")}
     raise ValueError(f"unknown task {task!r}; valid tasks: {', '.join(TASKS)}")
 
 
@@ -119,8 +123,8 @@ def eval_ruler(model, tok, task: str = "niah", ctx: int = 2048, k: str = "q8_0",
     t0 = time.time()
     items = make_samples(tok, task, ctx, samples, seed, text)
     for it in items:
-        it["ids"] = format_prompt(tok, it["context"], it["question"])
-    max_new = max_new_tokens or (16 if task == "niah" else 40)
+        it["ids"] = format_prompt(tok, it["context"], it["question"], it["prefix"])
+    max_new = max_new_tokens or (12 if task == "niah" else 30)
     ok, answers = _score(model, tok, items, k, v, innerq, keep_layers_q8, max_new, progress)
     if (k, v) == ("f16", "f16") and not keep_layers_q8:
         ok_ref, answers_ref = ok, answers
