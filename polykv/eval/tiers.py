@@ -67,7 +67,11 @@ def eval_tiers(model, tok, ctx: int = 2048, text=None, windows: int | None = Non
     rows = []
     for k, v, iq in presets:
         row = {"k": k, "v": v, "innerq": bool(iq), "label": preset_label(k, v, iq)}
-        if ppl:
+        if ppl and (k, v, iq) == ("f16", "f16", False) and not keep_layers_q8:
+            r = ref  # the reference run is this row
+            row.update({"bits_per_value": r["bits_per_value"], "kv_bytes": r["kv_bytes"], "ppl": r["ppl"],
+                        "ppl_delta_pct": 0.0})
+        elif ppl:
             r = eval_ppl(model, tok, k, v, ctx, text, n_win, innerq=table if iq else None,
                          keep_layers_q8=keep_layers_q8, progress=progress, ppl_ref=ref["ppl"])
             row.update({"bits_per_value": r["bits_per_value"], "kv_bytes": r["kv_bytes"], "ppl": r["ppl"],
