@@ -365,10 +365,11 @@ class KVCache(Cache):
         k_rot = self.rotated_attention and layer.k_codec.rotated
         v_rot = self.rotated_attention and layer.v_codec.rotated
         past_k, past_v = store.decode_rows(0, layer._past_rows, dtype, rotated=(k_rot, v_rot))
-        new_k, new_v = key.to(store.device), value.to(store.device)
+        past_k, past_v = past_k.to(query.device), past_v.to(query.device)
+        new_k, new_v = key, value
         q = query
         if layer.key_scales is not None and k_rot:
-            s = layer.key_scales.to(dtype)
+            s = layer.key_scales.to(device=query.device, dtype=dtype)
             if k_rot:  # the stored keys are K*s; the query carries 1/s
                 new_k = new_k * s[None, :, None, :]
             q = q / s.repeat_interleave(q.shape[1] // s.shape[0], 0)[None, :, None, :]
