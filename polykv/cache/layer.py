@@ -83,11 +83,16 @@ class CompressedLayer:
         if s == 0:
             return
         self._reserve(self.length + s)
-        pk = self.k_codec.encode(self.scale_keys(k), check=False)
-        pv = self.v_codec.encode(v, check=False)
-        sl = slice(self.length, self.length + s)
-        _write_rows(self.k, pk, sl)
-        _write_rows(self.v, pv, sl)
+        from ..kernels import dispatch
+
+        if dispatch.use_triton(k, self.k.codes):
+            # Quantize-on-write kernel: encodes and writes in place, no packed temporaries.
+            dispatch.quantize_into(self.k, k, self.k_codec, self.length, innerq=self.key_scales)
+            dispatch.quantize_into(self.v, v, self.v_codec, self.length)
+        else:
+            sl = slice(self.length, self.length + s)
+            _write_rows(self.k, self.k_codec.encode(self.scale_keys(k), check=False), sl)
+            _write_rows(self.v, self.v_codec.encode(v, check=False), sl)
         self.length += s
 
     def trim(self, keep: int) -> None:
