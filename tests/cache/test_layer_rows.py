@@ -1,0 +1,35 @@
+"""CompressedLayer.decode_rows / truncate / used_nbytes (methods KVCache relies on)."""
+
+import torch
+
+from polykv.cache import CompressedLayer
+from polykv.codecs import get_codec
+
+
+def test_decode_rows_matches_dense_and_rotated_domain():
+    torch.manual_seed(0)
+    s = torch.linspace(0.5, 2.0, 64).repeat(2, 1)
+    layer = CompressedLayer.for_types("turbo4", "turbo3", 64, batch=2, kv_heads=2, key_scales=s)
+    k, v = torch.randn(2, 2, 10, 64), torch.randn(2, 2, 10, 64)
+    layer.append(k, v)
+    dk, dv = layer.dense()
+    rk, rv = layer.decode_rows(3, 8)
+    assert torch.allclose(rk, dk[:, :, 3:8]) and torch.allclose(rv, dv[:, :, 3:8])
+    # rotated domain: keys stay scaled, rotate(true) == storage domain
+    ok, ov = layer.decode_rows(0, 10, rotated=(True, True))
+    kc, vc = get_codec("turbo4", 64), get_codec("turbo3", 64)
+    assert torch.allclose(kc.unrotate(ok) / s[None, :, None, :], dk, atol=1e-5)
+    assert torch.allclose(vc.unrotate(ov), dv, atol=1e-5)
+    e = layer.decode_rows(5, 5)
+    assert e[0].shape == (2, 2, 0, 64)
+
+
+def test_truncate_and_used_bytes():
+    layer = CompressedLayer.for_types("q8_0", "q8_0", 64, batch=1, kv_heads=3)
+    assert layer.used_nbytes() == 0
+    layer.append(torch.randn(1, 3, 10, 64), torch.randn(1, 3, 10, 64))
+    per_row = 2 * 3 * (64 + 2 * 2)  # K and V: 64 int8 + 2 fp16 scales per head
+    assert layer.used_nbytes() == 10 * per_row
+    assert layer.nbytes() >= layer.used_nbytes()
+    layer.truncate(4)
+    assert layer.length == 4 and layer.used_nbytes() == 4 * per_row
