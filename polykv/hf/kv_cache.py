@@ -341,8 +341,6 @@ class KVCache(Cache):
         self.keep_layers_q8 = keep
         self.innerq = table if (table is not None and any(lay.key_scales is not None for lay in layers)) else None
         self.rotated_attention = bool(rotated_attention)
-        if self.innerq is not None and not self.rotated_attention:
-            raise ValueError("InnerQ needs rotated_attention=True (keys are stored scaled)")
         use_polykv_attention(model)
 
     # --- transformers API --------------------------------------------------------------------
@@ -369,9 +367,10 @@ class KVCache(Cache):
         new_k, new_v = key, value
         q = query
         if layer.key_scales is not None and k_rot:
+            # storage-domain keys are K*s (InnerQ): scale the new rows alike, the query carries 1/s
+            # (true-space decoding already divides by s, so nothing to do there)
             s = layer.key_scales.to(device=query.device, dtype=dtype)
-            if k_rot:  # the stored keys are K*s; the query carries 1/s
-                new_k = new_k * s[None, :, None, :]
+            new_k = new_k * s[None, :, None, :]
             q = q / s.repeat_interleave(q.shape[1] // s.shape[0], 0)[None, :, None, :]
         if k_rot:
             g = layer.k_codec.group

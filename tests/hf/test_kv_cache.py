@@ -170,6 +170,9 @@ def test_innerq_table_applies_to_turbo_keys_only(tmp_path):
     got = chunked_logits(m, c, x[None], 8)
     cos = torch.nn.functional.cosine_similarity(ref.flatten(), got.flatten(), dim=0)
     assert cos > 0.9
+    true_space = chunked_logits(m, KVCache(m, "turbo4", "turbo3", innerq=table, rotated_attention=False),
+                                x[None], 8)
+    assert (true_space - got).abs().max() < 1e-3
     path = tmp_path / "t.safetensors"
     saved = calibrate_innerq(m, None, [x], max_tokens=32, path=path)
     assert path.exists()
