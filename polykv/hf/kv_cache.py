@@ -53,6 +53,23 @@ class UnsupportedModelError(ValueError):
     """The model's architecture is not one KVCache can serve."""
 
 
+FUSED_MAX_QUERIES = 8
+"""On CUDA, attention for at most this many new queries per sequence runs the fused decode kernel;
+larger chunks (prefill) take the materialize path (DESIGN §4 gate)."""
+
+
+
+def _fused_available(query: torch.Tensor) -> bool:
+    """CUDA always takes the fused path (`dispatch` runs the reference there when forced, so the
+    switch compares kernel and reference on the same packed data); CPU only under the Triton
+    interpreter (tests)."""
+    if query.is_cuda:
+        return True
+    from ..kernels import dispatch
+
+    return dispatch.use_triton(query)
+
+
 def model_layout(model_or_config) -> list[LayerLayout]:
     """Per-layer KV layout of a decoder-only transformers model (or its config).
 
@@ -359,6 +376,8 @@ class KVCache(Cache):
 
         layer: PolyKVLayer = self.layers[module.layer_idx]
         store = layer.store
+        if query.shape[0] == 1 and query.shape[2] <= FUSED_MAX_QUERIES and _fused_available(query):
+            return self._attend_fused(layer, query, scaling)
         dtype = query.dtype
         k_rot = self.rotated_attention and layer.k_codec.rotated
         v_rot = self.rotated_attention and layer.v_codec.rotated
@@ -387,6 +406,19 @@ class KVCache(Cache):
             out = unrotate(out, layer.v_codec.group).to(dtype)
         layer.apply_pending_trim()
         return out
+
+    def _attend_fused(self, layer: "PolyKVLayer", query: torch.Tensor, scaling) -> torch.Tensor:
+        """Fused decode path (DESIGN §4, Level B): the kernel reads the packed K/V of every stored
+        row, including this step's (written compressed by `update`), in-register. Batch 1 only: the
+        kernel's causal rule (query j at row length - n_q + j) has no left padding."""
+        from ..kernels import dispatch
+
+        store = layer.store
+        out, _ = dispatch.attention_decode(
+            query, store.keys(), store.values(), layer.k_codec, layer.v_codec, causal=True,
+            sm_scale=scaling, window=layer.sliding_window, k_innerq=layer.key_scales)
+        layer.apply_pending_trim()
+        return out.transpose(1, 2)
 
     # --- polykv extras -----------------------------------------------------------------------
     def tensors(self) -> list[torch.Tensor]:
