@@ -149,11 +149,18 @@ def correctness():
                          None if dst.scales is None else
                          torch.stack([dst.scales[0, :, 5:262], dst.scales[1, :, 40:297]]))
             if c.rotated:
-                mis = (c.indices(got) != c.indices(ref)).float().mean().item()
-                srel = ((got.scales.float() - ref.scales.float()).abs()
-                        / ref.scales.float().abs().clamp_min(1e-6)).max().item()
-                check(f"quantize {name} D{D}", mis <= 1e-3 and srel <= 1e-3, idx_mismatch=mis,
-                      norm_rel=srel)
+                # Rotation summed in another order: a coordinate within ulps of a boundary may take the
+                # neighbouring index; groups whose indices all agree must match to one fp16 ulp, a group
+                # with a flipped index shifts its corrected norm by that centroid change (< 1%).
+                differs = c.indices(got) != c.indices(ref)  # [..., n_groups, G]
+                mis = differs.float().mean().item()
+                srel_all = ((got.scales.float() - ref.scales.float()).abs()
+                            / ref.scales.float().abs().clamp_min(1e-6))
+                flipped = differs.any(-1)
+                srel = srel_all[~flipped].max().item()
+                srel_flip = srel_all[flipped].max().item() if bool(flipped.any()) else 0.0
+                check(f"quantize {name} D{D}", mis <= 1e-3 and srel <= 1.1e-3 and srel_flip <= 1e-2,
+                      idx_mismatch=mis, norm_rel=srel, norm_rel_flipped=srel_flip)
             else:
                 same = torch.equal(got.codes.view(torch.uint8) if got.codes.dtype != torch.bfloat16
                                    else got.codes.view(torch.int16),

@@ -43,7 +43,7 @@ def _rne(x):
 @triton.jit
 def _quantize_kernel(X, POS, SCL, CODES, SCALES, ROT, CENT, BOUNDS,
                      sxb, sxh, sxt, scb, sch, scs, ssb, ssh, sss,
-                     HKV, T, sqrt_g,
+                     HKV, T,
                      D: tl.constexpr, BLOCK_T: tl.constexpr, KIND: tl.constexpr,
                      BITS: tl.constexpr, G: tl.constexpr, HAS_S: tl.constexpr):
     pid_bh = tl.program_id(0)
@@ -62,16 +62,22 @@ def _quantize_kernel(X, POS, SCL, CODES, SCALES, ROT, CENT, BOUNDS,
         NG: tl.constexpr = D // G
         GB: tl.constexpr = G * BITS // 8
         i = tl.arange(0, G)
+        # ROT is the rotation times sqrt(G): entries exactly +-1 in fp16. The fp32 rows are split
+        # into fp16 hi + lo parts, so two tensor-core dots with fp32 accumulation give x @ R*sqrt(G)
+        # to ~2^-22 relative — no [G, G] fp32 matrix in registers (which spilled: 270 us per row).
         rot = tl.load(ROT + i[:, None] * G + i[None, :])
         for g in tl.static_range(NG):
             xg = tl.load(X + xrow[:, None] + (g * G + i)[None, :], mask=m2, other=0.0)
             xg = xg.to(tl.float32)
             if HAS_S:
                 xg = xg * tl.load(SCL + h * D + g * G + i)[None, :]
-            y = tl.dot(xg, rot, input_precision="ieee")
+            x_hi = xg.to(tl.float16)
+            x_lo = (xg - x_hi.to(tl.float32)).to(tl.float16)
+            y = tl.dot(x_hi, rot, out_dtype=tl.float32) + tl.dot(x_lo, rot, out_dtype=tl.float32)
             norm = tl.sqrt(tl.sum(xg * xg, 1))
             safe = tl.where(norm > 0, norm, 1.0)
-            scl = tl.math.div_rn(tl.full([BLOCK_T], 1.0, tl.float32), safe) * sqrt_g
+            # u = (x @ R) * sqrt(G) / ||x|| = (x @ R*sqrt(G)) / ||x||
+            scl = tl.math.div_rn(tl.full([BLOCK_T], 1.0, tl.float32), safe)
             u = y * scl[:, None]
             idx = tl.zeros([BLOCK_T, G], tl.int32)
             # binary search: idx = #(bounds < u)  (torch.bucketize, right=False)
@@ -150,7 +156,7 @@ def quantize_into_triton(dst: Packed, x: torch.Tensor, codec, positions: torch.T
         x = x.contiguous()
     dummy = torch.zeros(1, dtype=torch.float32, device=dev)
     if meta["KIND"] == 3:
-        rot = rotation_matrix(meta["G"], dev).contiguous()
+        rot = (rotation_matrix(meta["G"], dev) * math.sqrt(meta["G"])).round().to(torch.float16).contiguous()
         cent, bounds = codec.tables(dev)
     else:
         rot = cent = bounds = dummy
@@ -160,6 +166,6 @@ def quantize_into_triton(dst: Packed, x: torch.Tensor, codec, positions: torch.T
         x, pos, scl, c, s, rot, cent, bounds,
         x.stride(0), x.stride(1), x.stride(2), c.stride(0), c.stride(1), c.stride(2),
         s.stride(0), s.stride(1), s.stride(2),
-        Hkv, T, float(math.sqrt(meta["G"])),
+        Hkv, T,
         D=D, BLOCK_T=block_t, KIND=meta["KIND"], BITS=meta["BITS"], G=meta["G"],
         HAS_S=innerq is not None, num_warps=num_warps, enable_fp_fusion=False)
