@@ -10,7 +10,7 @@ Heavy submodules (transformers, triton) load on first use.
 
 from __future__ import annotations
 
-import importlib
+from ._lazy import lazy_getattr
 
 __version__ = "0.1.0"
 
@@ -26,10 +26,4 @@ _LAZY = {
 __all__ = sorted(_LAZY) + ["__version__"]
 
 
-def __getattr__(name: str):
-    if name in _LAZY:
-        module, attr = _LAZY[name]
-        value = getattr(importlib.import_module(module), attr)
-        globals()[name] = value
-        return value
-    raise AttributeError(f"module 'polykv' has no attribute {name!r}")
+__getattr__ = lazy_getattr("polykv", _LAZY, globals())

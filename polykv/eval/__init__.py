@@ -5,7 +5,7 @@ Every function returns a plain dict carrying the JSON fields of DESIGN §6.
 
 from __future__ import annotations
 
-import importlib
+from polykv._lazy import lazy_getattr
 
 _LAZY = {
     "eval_ppl": ("polykv.eval.ppl", "eval_ppl"),
@@ -19,10 +19,4 @@ _LAZY = {
 __all__ = sorted(_LAZY)
 
 
-def __getattr__(name: str):
-    if name in _LAZY:
-        module, attr = _LAZY[name]
-        value = getattr(importlib.import_module(module), attr)
-        globals()[name] = value
-        return value
-    raise AttributeError(f"module 'polykv.eval' has no attribute {name!r}")
+__getattr__ = lazy_getattr("polykv.eval", _LAZY, globals())

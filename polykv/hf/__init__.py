@@ -3,7 +3,7 @@ K/V capture and InnerQ calibration, model loading. Heavy pieces load on first us
 
 from __future__ import annotations
 
-import importlib
+from polykv._lazy import lazy_getattr
 
 from .attention import ATTN_NAME, activate, active_cache, polykv_attention, register, use_polykv_attention
 
@@ -21,10 +21,4 @@ __all__ = ["ATTN_NAME", "activate", "active_cache", "polykv_attention", "registe
            "use_polykv_attention"] + sorted(_LAZY)
 
 
-def __getattr__(name: str):
-    if name in _LAZY:
-        module, attr = _LAZY[name]
-        value = getattr(importlib.import_module(module), attr)
-        globals()[name] = value
-        return value
-    raise AttributeError(f"module 'polykv.hf' has no attribute {name!r}")
+__getattr__ = lazy_getattr("polykv.hf", _LAZY, globals())
