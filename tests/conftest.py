@@ -10,6 +10,12 @@ import torch  # noqa: E402
 # Two cores, two xdist workers: one thread each keeps them from fighting.
 torch.set_num_threads(1)
 
+# Without a GPU, Triton kernels run through its interpreter (POLYKV_TRITON_ON_CPU=1 in the kernel
+# tests). Triton fixes interpreter vs compiled when it is first imported, which other tests in the same
+# worker may do first (transformers probes it), so the switch is set before any test module loads.
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
 
 def pytest_collection_modifyitems(config, items):
     if torch.cuda.is_available():

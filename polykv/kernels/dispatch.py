@@ -1,8 +1,10 @@
 """Public kernel entry points: Triton on CUDA tensors, the torch reference elsewhere.
 
     POLYKV_FORCE_REFERENCE=1 (or force_reference(True)) -> always the reference.
-    POLYKV_TRITON_ON_CPU=1 or TRITON_INTERPRET=1         -> Triton kernels on CPU tensors through
-                                                            the Triton interpreter (tests).
+    POLYKV_TRITON_ON_CPU=1                               -> Triton kernels on CPU tensors through
+                                                            the Triton interpreter (tests; the
+                                                            interpreter needs TRITON_INTERPRET=1 set
+                                                            before triton is first imported).
 Triton is imported lazily, on the first call that uses it; without triton every call takes the
 reference path.
 """
@@ -39,9 +41,9 @@ def triton_available() -> bool:
 
 
 def _interp() -> bool:
-    if os.environ.get("POLYKV_TRITON_ON_CPU", "0") == "1":
-        return True
-    return os.environ.get("TRITON_INTERPRET", "0") == "1" and not _SET_INTERPRET
+    """CPU tensors take the Triton path only when asked (POLYKV_TRITON_ON_CPU=1): the interpreter is
+    for tests, far too slow to be a default even where TRITON_INTERPRET is set."""
+    return os.environ.get("POLYKV_TRITON_ON_CPU", "0") == "1"
 
 
 def use_triton(*tensors: torch.Tensor) -> bool:
@@ -54,19 +56,17 @@ def use_triton(*tensors: torch.Tensor) -> bool:
 
 
 _MODS = None
-_SET_INTERPRET = False  # True when this module set TRITON_INTERPRET (for POLYKV_TRITON_ON_CPU)
 
 
 def _k():
     """The Triton kernel modules, imported on first use. Triton decides interpreter vs compiled at
     decoration time (and reads TRITON_INTERPRET again while interpreting), so with
     POLYKV_TRITON_ON_CPU=1 TRITON_INTERPRET=1 is set before the import and left set."""
-    global _MODS, _SET_INTERPRET
+    global _MODS
     if _MODS is None:
         if (os.environ.get("POLYKV_TRITON_ON_CPU", "0") == "1"
                 and os.environ.get("TRITON_INTERPRET", "0") != "1"):
             os.environ["TRITON_INTERPRET"] = "1"
-            _SET_INTERPRET = True
         if os.environ.get("TRITON_INTERPRET", "0") == "1":
             _fix_interpreter()
         from . import triton_cascade, triton_decode, triton_dequant, triton_quantize
