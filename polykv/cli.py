@@ -17,7 +17,7 @@ app.add_typer(bench_app, name="bench")
 try:  # the quality harness lives in polykv.eval; mounted when importable
     from .eval.cli import app as _eval_app
 
-    app.add_typer(_eval_app, name="eval", help="Quality harness: ppl, equiv, ruler, tiers.")
+    app.add_typer(_eval_app, name="eval")  # its help documents the --text / --prompts formats
 except ImportError:  # pragma: no cover - only while the harness is absent
     pass
 
