@@ -98,7 +98,7 @@ def demo(
     k: str = typer.Option("q8_0", "--k", help="Key type."),
     v: str = typer.Option("turbo3", "--v", help="Value type."),
     model: Optional[str] = typer.Option(None, "--model", help="Model (default: embedded SmolLM2-135M)."),
-    max_new_tokens: int = typer.Option(24, "--max-new-tokens"),
+    max_new_tokens: int = typer.Option(32, "--max-new-tokens"),
 ):
     """The main job: one bundled document prefilled once, N agents answer questions over it."""
     from .demo import format_demo, run_demo
