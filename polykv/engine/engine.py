@@ -129,26 +129,31 @@ class RequestHandle:
 
     async def result(self) -> tuple[str, str, dict]:
         """Collect a whole answer: (text, finish_reason, usage). Raises the request's error."""
-        parts = []
+        parts: list[str] = []
         async for ev in self:
-            if ev.kind == "token":
-                parts.append(ev.text)
-            elif ev.kind == "error":
-                raise ev.error
-            else:
-                return "".join(parts), ev.finish_reason, ev.usage
+            done = _fold_event(ev, parts)
+            if done is not None:
+                return done
         raise EngineClosedError("stream ended without a result")
 
     def result_sync(self, timeout: float | None = None) -> tuple[str, str, dict]:
-        parts = []
+        parts: list[str] = []
         for ev in self.iter_sync(timeout):
-            if ev.kind == "token":
-                parts.append(ev.text)
-            elif ev.kind == "error":
-                raise ev.error
-            else:
-                return "".join(parts), ev.finish_reason, ev.usage
+            done = _fold_event(ev, parts)
+            if done is not None:
+                return done
         raise EngineClosedError("stream ended without a result")
+
+
+def _fold_event(ev, parts: list[str]) -> tuple[str, str, dict] | None:
+    """Accumulate one stream event: token text into `parts`; the final (text, finish_reason, usage)
+    on the closing event; raises the request's error."""
+    if ev.kind == "token":
+        parts.append(ev.text)
+        return None
+    if ev.kind == "error":
+        raise ev.error
+    return "".join(parts), ev.finish_reason, ev.usage
 
 
 class _Live:
