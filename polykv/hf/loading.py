@@ -520,7 +520,8 @@ def _load_hf_dir(model_dir: Path, *, dtype: torch.dtype, device):
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=dtype, local_files_only=True)
-    tok = AutoTokenizer.from_pretrained(str(model_dir), local_files_only=True)
+    # BPE tokenizers ignore clean-up anyway; saying so up front keeps transformers from warning on every load.
+    tok = AutoTokenizer.from_pretrained(str(model_dir), local_files_only=True, clean_up_tokenization_spaces=False)
     if device is not None:
         model = model.to(device)
     model.eval()
