@@ -232,11 +232,15 @@ class SharedKVPool:
         return doc_id, out[0]
 
     @torch.no_grad()
-    def _prefill(self, doc: _Document, measure_f16: bool = True, shadow_out: list | None = None) -> None:
+    def _prefill(self, doc: _Document, shadow_out: list | None = None) -> None:
+        """Prefill and compress `doc`. With `shadow_out`, a real f16 DynamicCache receives the same
+        rows during the prefill (benchmarks deep-copy it into naive agents) and is appended to it;
+        otherwise the naive f16 figure is measured afterwards one layer at a time (bounded memory:
+        no whole f16 copy of the document ever exists)."""
         from .agent_cache import F16DynamicCache, PrefillCache, dummy_mask
 
         layers = self._new_layers()
-        shadow = F16DynamicCache(config=self.model.config) if measure_f16 else None
+        shadow = F16DynamicCache(config=self.model.config) if shadow_out is not None else None
         cache = PrefillCache(layers, self._windows, shadow)
         ids = torch.tensor(doc.ids, dtype=torch.long)
         n, C = len(doc.ids), self.prefill_chunk
@@ -257,13 +261,36 @@ class SharedKVPool:
         for l in layers:
             l.compact()
         doc.layers, doc.prefix_start = layers, list(cache.start_abs)
-        if shadow is not None:
+        if shadow is None:
+            doc.naive_f16_bytes = self._naive_f16_bytes(layers)
+        else:
             doc.naive_f16_bytes = storage_bytes(
                 [t for lay in shadow.layers for t in (getattr(lay, "keys", None), getattr(lay, "values", None))
                  if isinstance(t, torch.Tensor)])
             if shadow_out is not None:
                 shadow_out.append(shadow)
             del shadow
+
+    @torch.no_grad()
+    def _naive_f16_bytes(self, layers: list[CompressedLayer]) -> int:
+        """Bytes of one real f16 transformers DynamicCache of the document, measured layer by layer:
+        each layer's rows (decoded from the compressed store) go through that layer's own
+        DynamicCache layer (its sliding-window rule included), its tensors are measured, then freed.
+        Sliding layers count window-1 rows: the steady state. (Right after a one-chunk prefill a
+        DynamicSlidingWindowLayer still pins the whole chunk's storage through a view, so this is the
+        smaller, conservative naive figure.)"""
+        from transformers import DynamicCache
+
+        cache = DynamicCache(config=self.model.config)
+        total = 0
+        for i, layer in enumerate(layers):
+            k, v = layer.dense(torch.float16)
+            lay = cache.layers[i]
+            lay.update(k, v)
+            total += storage_bytes([lay.keys, lay.values])
+            lay.keys = lay.values = None
+            del k, v
+        return total
 
     # --- agents ------------------------------------------------------------------------------
     def open_batch(self, doc: str, capacity: int | None = None, seq_capacity: int | None = None,
