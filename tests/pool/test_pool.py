@@ -8,6 +8,7 @@ import warnings
 import pytest
 import torch
 
+from polykv.cache import storage_bytes
 from polykv.pool import DocumentInUseError, PoolFormatError, SharedKVPool
 
 from .conftest import CharTok, tiny_llama
@@ -243,3 +244,18 @@ def test_innerq_turbo_keys_and_persistence(tiny, tmp_path):
     with loaded.open_batch(doc) as b:
         a = b.add([5, 6, 7])
         torch.testing.assert_close(b.step()[a], outs[1])
+
+
+def test_naive_f16_figure_measured_without_a_whole_copy(tiny):
+    """add_document measures the naive f16 bytes layer by layer; it must equal the bytes of a real f16
+    DynamicCache built alongside the prefill (the benchmarks' shadow copy)."""
+    model, tok = tiny
+    ids = list(range(3, 100)) * 3
+    a = SharedKVPool(model, tok, k="q8_0", v="turbo3", progress=False)
+    a.add_document(ids)
+    b = SharedKVPool(model, tok, k="q8_0", v="turbo3", progress=False)
+    _, shadow = b._add_document_with_f16(ids)
+    naive = a.memory_report()["kv_bytes_naive_f16"]
+    assert naive == b.memory_report()["kv_bytes_naive_f16"] == storage_bytes(shadow.tensors())
+    layers, heads, dim = 2, 2, 32
+    assert naive == layers * 2 * heads * len(ids) * dim * 2  # f16 K and V, each row once
