@@ -7,7 +7,6 @@ Env: SUITE_QUICK=1 for a smaller run; SUITE_SKIP=tune,cascade,... to skip sectio
 from __future__ import annotations
 
 import json
-import math
 import os
 import sys
 import time

@@ -23,8 +23,6 @@ InnerQ (DESIGN §3) applies only when K is a turbo type: keys are stored as K*s,
 
 from __future__ import annotations
 
-import hashlib
-import json
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -124,26 +122,9 @@ def model_layout(model_or_config) -> list[LayerLayout]:
 
 def model_fingerprint(model) -> str:
     """Stable id of a model's weights + architecture: "<model_type>-<16 hex>" (keys InnerQ tables)."""
-    config = model.config
-    try:
-        from .loading import model_fingerprint as _fp
+    from .loading import model_fingerprint as _fp
 
-        return f"{getattr(config, 'model_type', 'model')}-{_fp(model)[:16]}"
-    except ImportError:
-        pass
-    h = hashlib.sha256()
-    fields = {k: getattr(config, k, None) for k in (
-        "model_type", "num_hidden_layers", "num_attention_heads", "num_key_value_heads", "head_dim",
-        "hidden_size", "vocab_size", "sliding_window", "rope_theta")}
-    h.update(json.dumps(fields, sort_keys=True, default=str).encode())
-    with torch.no_grad():
-        for i, (name, p) in enumerate(model.named_parameters()):
-            if i >= 6:
-                break
-            flat = p.detach().reshape(-1)[:4096].float().cpu()
-            h.update(name.encode())
-            h.update(flat.numpy().tobytes())
-    return f"{getattr(config, 'model_type', 'model')}-{h.hexdigest()[:16]}"
+    return f"{getattr(model.config, 'model_type', 'model')}-{_fp(model)[:16]}"
 
 
 def innerq_path(model) -> Path:

@@ -11,7 +11,6 @@ Stage 2 (`_combine_kernel`) merges the splits by log-sum-exp.
 
 from __future__ import annotations
 
-import math
 
 import torch
 import triton

@@ -19,7 +19,6 @@ import torch
 from transformers.cache_utils import Cache, DynamicCache
 
 from ..cache.layer import CompressedLayer
-from ..codecs import Packed
 from ..hf.attention import activate
 from .attention import cascade_attention, prefill_attention
 

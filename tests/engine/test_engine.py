@@ -5,7 +5,7 @@ import time
 import pytest
 import torch
 
-from polykv.engine import DenseBatch, Engine, EngineClosedError, GenerationRequest, SamplingParams
+from polykv.engine import Engine, EngineClosedError, GenerationRequest, SamplingParams
 
 from ._models import make_pool, tiny_model
 

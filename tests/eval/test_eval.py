@@ -18,14 +18,11 @@ TIER_FIELDS = {"k", "v", "bits_per_value", "kv_bytes", "ppl_delta_pct", "mean_tv
 
 @pytest.fixture(scope="module")
 def tok():
-    try:
-        from transformers import AutoTokenizer
+    from transformers import AutoTokenizer
 
-        from polykv.hf.loading import REGISTRY, _ensure_registry_cache
+    from polykv.hf.loading import REGISTRY, _ensure_registry_cache
 
-        return AutoTokenizer.from_pretrained(_ensure_registry_cache(REGISTRY["smollm2-135m"]))
-    except Exception as e:  # noqa: BLE001
-        pytest.skip(f"SmolLM2 tokenizer not available: {e}")
+    return AutoTokenizer.from_pretrained(_ensure_registry_cache(REGISTRY["smollm2-135m"]))
 
 
 @pytest.fixture(scope="module")

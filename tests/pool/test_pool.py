@@ -3,7 +3,6 @@ equivalence, lifecycle, persistence, threads."""
 
 import json
 import threading
-import warnings
 
 import pytest
 import torch

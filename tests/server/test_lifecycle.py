@@ -52,11 +52,6 @@ def test_clean_shutdown_joins_everything(tiny):
 
 def test_documents_persist_across_restart(tiny, tmp_path):
     model, tok = tiny
-    try:
-        from polykv.pool import SharedKVPool  # noqa: F401
-        import polykv.pool.persist  # noqa: F401
-    except ImportError:
-        pytest.skip("persistence needs polykv.pool.SharedKVPool (save/load)")
     store = tmp_path / "store"
     store.mkdir()
     pool = build_pool(model, tok, store=store)
