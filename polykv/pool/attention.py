@@ -25,6 +25,7 @@ import math
 import torch
 
 from ..codecs import Codec, Packed
+from ..kernels.reference import merge_attention_ref
 
 _SCORE_BUDGET = 1 << 23  # float32 elements of one score block (32 MiB)
 
@@ -41,17 +42,6 @@ def _masked_softmax_av(scores: torch.Tensor, visible: torch.Tensor | None, v: to
     safe = torch.where(torch.isfinite(lse), lse, torch.zeros_like(lse))
     p = torch.exp(scores - safe[..., None])
     return torch.einsum(eq, p, v), lse
-
-
-def merge_lse(out_a, lse_a, out_b, lse_b):
-    """Merge two normalized partial attentions over disjoint key sets (natural-log LSE)."""
-    m = torch.maximum(lse_a, lse_b)
-    ms = torch.where(torch.isfinite(m), m, torch.zeros_like(m))
-    wa, wb = torch.exp(lse_a - ms), torch.exp(lse_b - ms)
-    tot = wa + wb
-    lse = torch.where(tot > 0, ms + torch.log(tot), torch.full_like(m, float("-inf")))
-    den = torch.where(tot > 0, tot, torch.ones_like(tot))
-    return out_a * (wa / den)[..., None] + out_b * (wb / den)[..., None], lse
 
 
 def cascade_torch(q: torch.Tensor, prefix_k: Packed, prefix_v: Packed, suffix_k: Packed,
@@ -116,7 +106,7 @@ def cascade_torch(q: torch.Tensor, prefix_k: Packed, prefix_v: Packed, suffix_k:
             if window is not None:
                 vis = vis & (kidx_s > qr - int(window))
             o_s, l_s = _masked_softmax_av(sc, vis, vs[a:b], "nhqk,nhkd->nhqd")
-            o, l = merge_lse(o_p, l_p, o_s, l_s)
+            o, l = merge_attention_ref(o_p, l_p, o_s, l_s)
         else:
             o, l = o_p, l_p
         out[a:b], lse[a:b] = o, l
