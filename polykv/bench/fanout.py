@@ -50,7 +50,7 @@ def bench_fanout(model, tok, agents=(1, 2, 4, 8, 16, 32), doc_tokens: int = 2048
     ref_over_shared}], doc_tokens, suffix_tokens, k, v, f16_single_doc_bytes, compressed_doc_bytes,
     seconds}; writes a PNG (bytes vs agents, log y) to `plot` when given."""
     from ..pool import SharedKVPool
-    from ..pool.agent_cache import F16DynamicCache
+    from ..pool.prefill import F16DynamicCache
 
     say = log or (lambda *_: None)
     t0 = time.perf_counter()

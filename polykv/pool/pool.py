@@ -237,7 +237,8 @@ class SharedKVPool:
         rows during the prefill (benchmarks deep-copy it into naive agents) and is appended to it;
         otherwise the naive f16 figure is measured afterwards one layer at a time (bounded memory:
         no whole f16 copy of the document ever exists)."""
-        from .agent_cache import F16DynamicCache, PrefillCache, dummy_mask
+        from .agent_cache import dummy_mask
+        from .prefill import F16DynamicCache, PrefillCache
 
         layers = self._new_layers()
         shadow = F16DynamicCache(config=self.model.config) if shadow_out is not None else None
