@@ -85,11 +85,13 @@ class SharedKVPool:
     device: where the compressed KV lives (default: the model's device).
     budget_bytes: bound on resident shared-prefix bytes (None: unbounded).
     innerq: an `InnerQTable` or a path to one; used only when K is a turbo type.
-    prefill_chunk: tokens per prefill forward.
+    prefill_chunk: tokens per prefill forward. Default (None): 4096 when the KV lives on CUDA (the
+        flash split path, `pool/prefill.py`; same chunking as a plain chunked transformers prefill),
+        512 elsewhere (the CPU path's historical size: CPU outputs stay what they were).
     """
 
     def __init__(self, model, tok, k: str = "q8_0", v: str = "turbo3", device=None,
-                 budget_bytes: int | None = None, innerq=None, prefill_chunk: int = 512,
+                 budget_bytes: int | None = None, innerq=None, prefill_chunk: int | None = None,
                  progress: bool | None = None):
         from ..hf.attention import use_polykv_attention
         from ..hf.loading import kv_layout
@@ -98,7 +100,8 @@ class SharedKVPool:
         self.k_type, self.v_type = check_codec_name(k), check_codec_name(v)
         self.device = torch.device(device) if device is not None else next(model.parameters()).device
         self.budget_bytes = budget_bytes
-        self.prefill_chunk = int(prefill_chunk)
+        self.prefill_chunk = int(prefill_chunk) if prefill_chunk is not None else (
+            4096 if self.device.type == "cuda" else 512)
         self.progress = progress
         self.layout = kv_layout(model)
         self._windows = [s.sliding_window for s in self.layout]
