@@ -153,7 +153,7 @@ def bench_fanout_cmd(
     m, tok = load_model(model)
     counts = tuple(int(a) for a in agents.split(","))
     result = bench_fanout(m, tok, agents=counts, doc_tokens=doc_tokens, suffix_tokens=suffix_tokens,
-                          k=k, v=v, plot_path=plot)
+                          k=k, v=v, plot=plot)
     if json_out:
         emit(result)
     else:
