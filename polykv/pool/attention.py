@@ -170,3 +170,113 @@ def prefill_attention(q: torch.Tensor, hist_k: torch.Tensor, hist_v: torch.Tenso
     out = torch.nn.functional.scaled_dot_product_attention(
         q, k, v, attn_mask=mask[None, None], scale=scaling, enable_gqa=q.shape[1] != k.shape[1])
     return out.transpose(1, 2)
+
+
+# --- prefill without a [C, L] mask (split + LSE merge) ---------------------------------------------
+# What a 32k-token prefill of a 4-layer Llama-3-8B-shape model (hidden 4096, Hq 32, Hkv 8, D 128,
+# MLP 14336, bf16) must do, in chunks of C = 4096 (8 chunks), so GPU figures can be compared:
+#   linears   218.1M weights/layer x 4 layers x 2 FLOP x 32768 tokens         = 57.2 TFLOP
+#   attention history part: chunk i sees i*C rows, sum_i i = 28:
+#             4 FLOP (QK^T + PV) x Hq 32 x D 128 x C^2 x 28 = 7.70 TFLOP/layer
+#             causal chunk part: 4 x 32 x 128 x C^2/2 x 8 chunks = 1.10 TFLOP/layer
+#             x 4 layers                                                       = 35.2 TFLOP
+#   (same FLOPs as a chunked DynamicCache prefill; ~92 TFLOP total, ~0.15-0.2 s on an H200 at
+#   realistic GEMM / FlashAttention-2 rates)
+#   polykv extra, memory-bound: history decode reads 28 x 4096 = 114,688 rows/layer x 4 layers =
+#             458,752 compressed rows (q8_0 K + turbo3 V: 1,488 B/row over 8 heads -> 0.68 GB) and
+#             writes them dense bf16 (4,096 B/row -> 1.88 GB), which flash then reads; turbo3's
+#             inverse rotation is 32.8 kFLOP fp32 per head-row -> 0.12 TFLOP fp32; the chunk's K/V
+#             expanded to Hq (67 MB per chunk and layer), the LSE merge and its layout copies move
+#             ~6 x 33.5 MB per chunk and layer (~8 GB in all with the expansion); the chunk's
+#             compressed write is 32768 x 4 x 1,488 B = 0.2 GB. Together ~11 GB: ~2-3 ms at
+#             4.8 TB/s, i.e. the split path should sit within a few % of the chunked baseline.
+#   The old path (chunks of 512: a torch-op decode of the whole history in float32 per chunk, then
+#   SDPA with a boolean [C, L] mask, which rules out the flash backend) decoded 512 x 2016 = 1.03M
+#   rows per layer (4.1M in all; ~10 torch ops over the whole history per chunk and layer), plus
+#   64 x 4 masked SDPA calls.
+
+
+def flash_supported(q: torch.Tensor) -> bool:
+    """Whether `flash_attention_lse` runs for q's device/dtype/head_dim: any float on CPU (aten's
+    CPU flash kernel); on CUDA FlashAttention-2's limits (fp16/bf16, head_dim % 8 == 0, <= 256)."""
+    if not q.is_cuda:
+        return q.dtype in (torch.float32, torch.float16, torch.bfloat16, torch.float64)
+    D = q.shape[-1]
+    return q.dtype in (torch.float16, torch.bfloat16) and D % 8 == 0 and D <= 256
+
+
+def flash_attention_lse(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool,
+                        scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """Softmax attention with a flash kernel that also returns the log-sum-exp.
+
+    q [B, H, Lq, D], k/v [B, H, Lk, D] (same H, same dtype; Lk >= 1). causal: query i sees keys
+    <= i (top-left aligned; callers use it with Lq == Lk only). Returns out [B, H, Lq, D] (q.dtype)
+    and lse float32 [B, H, Lq], natural log of sum exp(score * scale) (FlashAttention-2's
+    softmax_lse and aten's CPU flash kernel both return the natural log; tests check the CPU one,
+    `polykv.bench.prefill_check` the CUDA one). Uses aten's private flash ops directly: SDPA
+    returns no LSE. Schemas (torch 2.11 and 2.13):
+        _scaled_dot_product_flash_attention(q, k, v, dropout_p, is_causal, return_debug_mask, *,
+            scale) -> (out, logsumexp, cum_seq_q, cum_seq_k, max_q, max_k, rng_state, unused, dbg)
+        _scaled_dot_product_flash_attention_for_cpu(q, k, v, dropout_p, is_causal, *, attn_mask,
+            scale) -> (out, logsumexp)
+    (the CPU kernel dies with SIGFPE on Lk == 0: callers skip empty key sets)."""
+    if k.shape[2] == 0:
+        raise ValueError("flash_attention_lse: empty key set (skip the call, lse would be -inf)")
+    if q.is_cuda:
+        r = torch.ops.aten._scaled_dot_product_flash_attention(
+            q, k, v, dropout_p=0.0, is_causal=causal, return_debug_mask=False, scale=scale)
+    else:
+        r = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
+            q, k, v, dropout_p=0.0, is_causal=causal, scale=scale)
+    out, lse = r[0], r[1]
+    return out, lse[..., : q.shape[2]].float()
+
+
+def _merge_fn():
+    """The project's one LSE merge: `dispatch.merge_attention` (Triton on CUDA, the reference on
+    CPU) when importable, else the reference."""
+    mod = _dispatch_module()
+    return mod.merge_attention if mod is not None else merge_attention_ref
+
+
+def prefill_attention_split(q: torch.Tensor, hist_k: torch.Tensor, hist_v: torch.Tensor,
+                            new_k: torch.Tensor, new_v: torch.Tensor, *, scaling: float | None,
+                            hist_start: int, pos0: int, window: int | None) -> torch.Tensor:
+    """`prefill_attention` (same arguments, same result up to float rounding) without a [C, L] mask.
+
+    Full-attention layers: every history row (absolute positions < pos0) is visible to every chunk
+    query, so the attention splits into
+        history part  q against hist K/V, non-causal. GQA without expanding K/V: the g query heads of
+                      a KV head become rows, q [1, Hq, C, D] viewed as [1, Hkv, g*C, D] (head
+                      h = kv*g + i, repeat_interleave order);
+        chunk part    q against the chunk's own K/V, causal; only these C rows are expanded to Hq;
+    each by a flash kernel that returns the LSE, merged by LSE. An empty history skips its part.
+    hist_k/hist_v: decoded history in q.dtype (true space, keys unscaled) [1, Hkv, L, D].
+
+    Sliding-window layers keep the masked path (`prefill_attention`): a window band is not a flash
+    shape here, and a window layer's history is at most window-1 rows, so that path costs
+    O(C * (window + C)) per chunk, not O(C * document). K/V are expanded to Hq first so that CUDA's
+    SDPA can take its memory-efficient kernel with the mask (no GQA + mask kernel exists).
+    Returns [1, C, Hq, D]."""
+    B, Hq, C, D = q.shape
+    Hkv, L = new_k.shape[1], hist_k.shape[2]
+    g = Hq // Hkv
+    if window is not None:
+        if g > 1:
+            hist_k, hist_v = hist_k.repeat_interleave(g, 1), hist_v.repeat_interleave(g, 1)
+            new_k, new_v = new_k.repeat_interleave(g, 1), new_v.repeat_interleave(g, 1)
+        return prefill_attention(q, hist_k, hist_v, new_k, new_v, scaling=scaling,
+                                 hist_start=hist_start, pos0=pos0, window=window)
+    if hist_start + L > pos0:
+        raise ValueError(f"history rows [{hist_start}, {hist_start + L}) overlap the chunk at {pos0}")
+    scale = 1.0 / math.sqrt(D) if scaling is None else float(scaling)
+    ck = new_k.repeat_interleave(g, 1) if g > 1 else new_k
+    cv = new_v.repeat_interleave(g, 1) if g > 1 else new_v
+    out_c, lse_c = flash_attention_lse(q, ck, cv, causal=True, scale=scale)
+    if L == 0:
+        return out_c.transpose(1, 2)
+    qh = q.reshape(B, Hkv, g * C, D)
+    out_h, lse_h = flash_attention_lse(qh, hist_k.to(q.dtype), hist_v.to(q.dtype), causal=False,
+                                       scale=scale)
+    out, _ = _merge_fn()(out_h.reshape(B, Hq, C, D), lse_h.reshape(B, Hq, C), out_c, lse_c)
+    return out.transpose(1, 2)
