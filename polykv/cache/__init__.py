@@ -2,5 +2,6 @@
 
 from .accounting import storage_bytes
 from .layer import CompressedLayer
+from .slots import SlotRows
 
-__all__ = ["CompressedLayer", "storage_bytes"]
+__all__ = ["CompressedLayer", "SlotRows", "storage_bytes"]

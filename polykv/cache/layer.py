@@ -47,7 +47,8 @@ class CompressedLayer:
     def capacity(self) -> int:
         return 0 if self.k is None else self.k.codes.shape[2]
 
-    def _reserve(self, needed: int) -> None:
+    def reserve(self, needed: int) -> None:
+        """Grow storage (by doubling) to hold at least `needed` rows; rows are kept."""
         if needed <= self.capacity:
             return
         cap = max(_MIN_CAPACITY, self.capacity)
@@ -82,7 +83,7 @@ class CompressedLayer:
         s = k.shape[2]
         if s == 0:
             return
-        self._reserve(self.length + s)
+        self.reserve(self.length + s)
         from ..kernels import dispatch
 
         if dispatch.use_triton(k, self.k.codes):
@@ -94,6 +95,16 @@ class CompressedLayer:
             _write_rows(self.k, self.k_codec.encode(self.scale_keys(k), check=False), sl)
             _write_rows(self.v, self.v_codec.encode(v, check=False), sl)
         self.length += s
+
+    def write_at(self, k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor) -> None:
+        """Encode k, v [batch, kv_heads, T, head_dim] and store row (b, t) at positions[b, t]
+        (int64 [batch, T] on the storage device) without touching `length`: the static decode step
+        (`polykv.hf.graphs`) writes here and advances `length` on the host. Rows must fit the
+        reserved capacity."""
+        from ..kernels import dispatch
+
+        dispatch.quantize_into(self.k, k, self.k_codec, positions, innerq=self.key_scales)
+        dispatch.quantize_into(self.v, v, self.v_codec, positions)
 
     def trim(self, keep: int) -> None:
         """Keep only the newest `keep` rows (sliding-window layers)."""

@@ -9,6 +9,7 @@ from .attention import ATTN_NAME, activate, active_cache, polykv_attention, regi
 
 _LAZY = {
     "KVCache": ("polykv.hf.kv_cache", "KVCache"),
+    "DecodeGraph": ("polykv.hf.graphs", "DecodeGraph"),
     "model_layout": ("polykv.hf.kv_cache", "model_layout"),
     "innerq_path": ("polykv.hf.kv_cache", "innerq_path"),
     "capture_kv": ("polykv.hf.capture", "capture_kv"),

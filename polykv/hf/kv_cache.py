@@ -339,11 +339,19 @@ class KVCache(Cache):
         self.keep_layers_q8 = keep
         self.innerq = table if (table is not None and any(lay.key_scales is not None for lay in layers)) else None
         self.rotated_attention = bool(rotated_attention)
+        # (write positions int64 [B, 1], lengths int32 [B]) on the device while a captured decode
+        # step (polykv.hf.graphs.DecodeGraph) runs: writes and lengths come from device tensors,
+        # host bookkeeping is left to the runner
+        self._static: tuple[torch.Tensor, torch.Tensor] | None = None
         use_polykv_attention(model)
 
     # --- transformers API --------------------------------------------------------------------
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args,
                **kwargs):
+        if self._static is not None:
+            self.layers[layer_idx].store.write_at(key_states, value_states, self._static[0])
+            activate(self)
+            return key_states, value_states
         out = self.layers[layer_idx].update(key_states, value_states)
         activate(self)
         return out
@@ -357,6 +365,8 @@ class KVCache(Cache):
 
         layer: PolyKVLayer = self.layers[module.layer_idx]
         store = layer.store
+        if self._static is not None:
+            return self._attend_static(layer, query, scaling)
         if query.shape[0] == 1 and query.shape[2] <= FUSED_MAX_QUERIES and _fused_available(query):
             return self._attend_fused(layer, query, scaling)
         dtype = query.dtype
@@ -399,6 +409,17 @@ class KVCache(Cache):
             query, store.keys(), store.values(), layer.k_codec, layer.v_codec, causal=True,
             sm_scale=scaling, window=layer.sliding_window, k_innerq=layer.key_scales)
         layer.apply_pending_trim()
+        return out.transpose(1, 2)
+
+    def _attend_static(self, layer: "PolyKVLayer", query: torch.Tensor, scaling) -> torch.Tensor:
+        """Fused decode over the whole reserved capacity with lengths read from the device (the
+        captured step: no host-side slicing by length)."""
+        from ..kernels import dispatch
+
+        store = layer.store
+        out, _ = dispatch.attention_decode(
+            query, store.k, store.v, layer.k_codec, layer.v_codec, kv_lens=self._static[1],
+            causal=True, sm_scale=scaling, window=None, k_innerq=layer.key_scales)
         return out.transpose(1, 2)
 
     # --- polykv extras -----------------------------------------------------------------------

@@ -3,6 +3,7 @@
     batch = pool.open_batch(doc)          # holds a reference on the document until close()
     aid = batch.add(prompt_ids)           # queue the agent's suffix tokens (prefilled at next step)
     logits = batch.step()                 # {aid: float32 [vocab]} next-token logits, every live agent
+    tokens = batch.step_tokens()          # {aid: next token id}, chosen on the device (greedy default)
     batch.feed({aid: token_id, ...})      # queue one more token per agent
     batch.remove(aid); len(batch); batch.close()
 
@@ -13,9 +14,11 @@ Semantics
   token (decode) in one forward, agents with several (prompt prefill) in another, left-padded to the
   longest; different suffix lengths share one batch. Agents with nothing pending are not recomputed:
   their previous logits are returned again.
-* Each agent's suffix K/V is private, compressed with the pool's codecs, in storage of leading shape
-  [batch_capacity, kv_heads, seq_capacity] per layer; removed agents' slots are reused (the last slot
-  is moved into the hole, so live agents always occupy slots 0..n-1).
+* Each agent's suffix K/V is private, compressed with the pool's codecs, in one slot of
+  seq_capacity rows per layer (`polykv.cache.SlotRows`); removed agents' slots are reused (the last
+  slot is moved into the hole, so live agents always occupy slots 0..n-1).
+* On CUDA, a decode step of agents in slots 0..n-1 replays a captured CUDA graph
+  (`decode_graph.py`; `graphs=False` or POLYKV_CUDA_GRAPHS=0 keeps it eager).
 * A batch is not thread-safe by itself; use one batch per thread (the pool is thread-safe).
 """
 
@@ -40,7 +43,7 @@ class AgentBatch:
     """See module doc. Created by `SharedKVPool.open_batch`; usable as a context manager."""
 
     def __init__(self, pool, doc, capacity: int | None = None, seq_capacity: int | None = None,
-                 backend: str = "auto"):
+                 backend: str = "auto", graphs: bool = True):
         from .agent_cache import AgentCache
 
         self.pool = pool
@@ -54,6 +57,12 @@ class AgentBatch:
         self._ids = itertools.count()
         self._closed = False
         self.peak_bytes = self.cache.nbytes()
+        self._graphs = None  # captured decode steps (CUDA), see decode_graph.py
+        if graphs:
+            from .decode_graph import DecodeGraphs, graphs_supported
+
+            if graphs_supported(self.cache):
+                self._graphs = DecodeGraphs(pool.model, self.cache, pool._pad_id)
 
     # --- agents ------------------------------------------------------------------------------
     def add(self, prompt_ids: list[int]) -> int:
@@ -110,22 +119,58 @@ class AgentBatch:
     # --- compute -----------------------------------------------------------------------------
     @torch.no_grad()
     def step(self) -> dict[int, torch.Tensor]:
-        """Run all pending tokens; return {aid: float32 [vocab] next-token logits} for every live
-        agent (see module doc)."""
-        self._check_open()
-        todo = [a for a in self._agents.values() if a.pending]
-        for group in ([a for a in todo if len(a.pending) == 1], [a for a in todo if len(a.pending) > 1]):
-            if group:
-                self._forward(sorted(group, key=lambda a: a.slot))
-        self.peak_bytes = max(self.peak_bytes, self.cache.nbytes())
+        """Run all pending tokens; return {aid: float32 [vocab] next-token logits (CPU)} for every
+        live agent whose logits are known (see module doc). One device-to-host copy per forward."""
+        for group, logits, _ in self._run_pending():
+            cpu = logits.float().cpu()
+            for g, a in enumerate(group):
+                a.logits = cpu[g]
         return {aid: a.logits for aid, a in self._agents.items() if a.logits is not None}
 
-    def _forward(self, group: list[_Agent]) -> None:
+    @torch.no_grad()
+    def step_tokens(self, temperature: float = 0.0, top_p: float = 1.0, top_k: int = 0,
+                    generator: torch.Generator | None = None) -> dict[int, int]:
+        """Run all pending tokens and choose each computed agent's next token on the device
+        (`sampling.sample_rows`: greedy when temperature <= 0; `generator` on the pool's device);
+        one device-to-host copy of the chosen ids per forward. Returns {aid: token id} for the
+        agents that had pending tokens."""
+        from .sampling import sample_rows
+
+        out: dict[int, int] = {}
+        for group, logits, greedy in self._run_pending():
+            if temperature is None or temperature <= 0:
+                ids = greedy if greedy is not None else torch.argmax(logits, dim=-1)
+            else:
+                ids = sample_rows(logits, temperature, top_p, top_k, generator)
+            for a, t in zip(group, ids.tolist()):
+                a.logits = None
+                out[a.aid] = t
+        return out
+
+    def _run_pending(self) -> list[tuple[list[_Agent], torch.Tensor, torch.Tensor | None]]:
+        """Forward every agent with pending tokens: decoders (one token) together, prompt prefills
+        together. Returns [(agents, logits [G, vocab] on the device, greedy ids [G] or None)]."""
+        self._check_open()
+        todo = [a for a in self._agents.values() if a.pending]
+        done = []
+        for group in ([a for a in todo if len(a.pending) == 1], [a for a in todo if len(a.pending) > 1]):
+            if group:
+                group = sorted(group, key=lambda a: a.slot)
+                logits, greedy = self._forward(group)
+                for a in group:
+                    a.tokens.extend(a.pending)
+                    a.pending = []
+                done.append((group, logits, greedy))
+        self.peak_bytes = max(self.peak_bytes, self.cache.nbytes())
+        return done
+
+    def _forward(self, group: list[_Agent]) -> tuple[torch.Tensor, torch.Tensor | None]:
+        n_q = max(len(a.pending) for a in group)
+        if n_q == 1 and self._graphs is not None and all(a.slot == g for g, a in enumerate(group)):
+            return self._graphs.run([a.pending[0] for a in group])
         model = self.pool.model
         counts = [len(a.pending) for a in group]
-        n_q = max(counts)
-        pad = self.pool._pad_id
-        ids = torch.full((len(group), n_q), pad, dtype=torch.long)
+        ids = torch.full((len(group), n_q), self.pool._pad_id, dtype=torch.long)
         for g, a in enumerate(group):
             ids[g, n_q - len(a.pending):] = torch.tensor(a.pending, dtype=torch.long)
         cache = self.cache
@@ -139,11 +184,7 @@ class AgentBatch:
             cache.abort()
             raise
         cache.commit()
-        logits = out.logits[:, -1].float()
-        for g, a in enumerate(group):
-            a.tokens.extend(a.pending)
-            a.pending = []
-            a.logits = logits[g].cpu()
+        return out.logits[:, -1], None
 
     # --- lifecycle ---------------------------------------------------------------------------
     def close(self) -> None:
@@ -154,6 +195,7 @@ class AgentBatch:
         self._agents.clear()
         self._slots.clear()
         self.cache = None
+        self._graphs = None
         self.pool._release(self)
 
     def __enter__(self):

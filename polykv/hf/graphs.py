@@ -1,0 +1,113 @@
+"""CUDA-graph-captured decode steps (DESIGN §8): the whole model step recorded once, replayed.
+
+    runner = DecodeGraph(model, cache, max_new_tokens=64)   # cache: a prefilled polykv.KVCache
+    logits = runner.step(input_ids)                         # [B, 1] -> float32 [B, vocab]
+
+A decode step is the same sequence of kernels every time; only the token, the write row and the
+length change. `DecodeGraph` reserves the cache's storage once (capacity fixed for the graph's
+lifetime), keeps those inputs in static device tensors (the cache reads its write positions and
+lengths from them: `KVCache._static`), and captures model forward + the last-position logits in one
+CUDA graph. Per step the host launches two small fills and one replay, and advances the cache's host
+lengths. Elsewhere (CPU, sliding-window layers, forced reference) it runs the same step eagerly.
+"""
+
+from __future__ import annotations
+
+from typing import Callable
+
+import torch
+
+
+def capture_graph(fn: Callable[[], None], mempool=None, warmup: int = 2) -> torch.cuda.CUDAGraph:
+    """Run `fn` `warmup` times on a side stream (Triton compiles, lazily built device tables), then
+    capture one call of it into a CUDA graph (allocations from `mempool` when given)."""
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side), torch.no_grad():
+        for _ in range(warmup):
+            fn()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph, pool=mempool), torch.no_grad():
+        fn()
+    return graph
+
+
+def _capturable(cache) -> bool:
+    import os
+
+    from ..kernels import dispatch
+
+    layers = cache.layers
+    return (os.environ.get("POLYKV_CUDA_GRAPHS", "1") != "0"
+            and all(lay.store.device.type == "cuda" for lay in layers)
+            and dispatch.use_triton(layers[0].store.k.codes))
+
+
+class DecodeGraph:
+    """Single-token decode steps over a prefilled `polykv.KVCache` (see module doc).
+
+    max_new_tokens: steps this runner may take (storage for them is reserved up front).
+    All sequences of the batch have the same length (no left padding in the static step).
+    Modes: "captured" (CUDA graph replay), "static" (the same static-input step run eagerly: CPU,
+    or capture=False), "eager" (plain forward: models with sliding-window layers).
+    """
+
+    def __init__(self, model, cache, max_new_tokens: int, warmup: int = 2,
+                 capture: bool | None = None):
+        if any(lay.store is None for lay in cache.layers):
+            raise ValueError("DecodeGraph needs a prefilled KVCache (run the prompt through it first)")
+        self.model, self.cache = model, cache
+        self.batch = cache.layers[0].store.batch
+        self.limit = cache.layers[0].store.length + int(max_new_tokens)
+        if any(lay.is_sliding for lay in cache.layers):
+            self.mode = "eager"
+            return
+        capture = _capturable(cache) if capture is None else bool(capture)
+        self.mode = "captured" if capture else "static"
+        for lay in cache.layers:
+            lay.apply_pending_trim()
+            lay.store.reserve(self.limit)
+        dev = cache.layers[0].store.device
+        B = self.batch
+        self.ids = torch.zeros(B, 1, dtype=torch.long, device=dev)
+        self.pos = torch.full((B, 1), cache.layers[0].store.length, dtype=torch.long, device=dev)
+        mask = torch.ones(B, 1, 1, 1, dtype=torch.bool, device=dev)  # 4D: transformers passes it as-is
+        self._out: dict[str, torch.Tensor] = {}
+
+        def fwd():
+            cache._static = (self.pos, (self.pos[:, 0] + 1).to(torch.int32))
+            try:
+                res = model(input_ids=self.ids, position_ids=self.pos, attention_mask=mask,
+                            past_key_values=cache, use_cache=True, logits_to_keep=1)
+            finally:
+                cache._static = None
+            self._out["logits"] = res.logits[:, -1].float()
+
+        self._fwd = fwd
+        # warm-up steps write row `length` of every layer: the first real step overwrites it
+        self.graph = capture_graph(fwd, warmup=warmup) if capture else None
+
+    @torch.no_grad()
+    def step(self, input_ids: torch.Tensor) -> torch.Tensor:
+        """input_ids int64 [B, 1] -> next-token logits float32 [B, vocab] on the model's device
+        (captured: a view overwritten by the next step)."""
+        cache = self.cache
+        length = cache.layers[0].store.length
+        if length >= self.limit:
+            raise RuntimeError(f"DecodeGraph: max_new_tokens reached ({self.limit} rows reserved)")
+        if self.mode == "eager":
+            dev = cache.layers[0].store.device
+            return self.model(input_ids=input_ids.to(dev), past_key_values=cache, use_cache=True,
+                              logits_to_keep=1).logits[:, -1].float()
+        self.ids.copy_(input_ids.view(self.batch, 1), non_blocking=True)
+        self.pos.fill_(length)
+        if self.graph is not None:
+            self.graph.replay()
+        else:
+            self._fwd()
+        for lay in cache.layers:
+            lay.store.length += 1
+            lay.cumulative_length += 1
+            lay._past_rows = lay.store.length - 1
+        return self._out["logits"]

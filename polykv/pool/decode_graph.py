@@ -1,0 +1,125 @@
+"""CUDA-graph-captured decode steps of one AgentBatch (DESIGN §8).
+
+A decode step of agents in slots 0..n-1 (one new token each) is the same sequence of kernels every
+step: only the tokens, the write rows and the lengths change. It is captured once per batch bucket
+(n rounded up to a power of two; padded rows write the scratch row and read an empty suffix) with
+static device inputs, and replayed: per step the host fills one pinned int64 [3, bucket] tensor
+(tokens, write rows, positions), makes one host-to-device copy and one replay. Logits and the greedy
+choice are static outputs of the graph.
+
+A graph reads the suffix storage it was captured with: when the AgentCache reallocates storage
+(`storage_version` changes) every graph is dropped and recaptured on next use.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from ..hf.graphs import capture_graph
+from .agent_cache import AgentCache, Group, dummy_mask
+
+
+def graphs_supported(cache: AgentCache) -> bool:
+    """Captured decode needs CUDA, the Triton kernels (not the forced reference) and full-attention
+    layers (sliding-window layers take the torch cascade, which is not captured).
+    POLYKV_CUDA_GRAPHS=0 turns capture off (eager steps, for debugging)."""
+    import os
+
+    from ..kernels import dispatch
+
+    return (os.environ.get("POLYKV_CUDA_GRAPHS", "1") != "0" and cache.device.type == "cuda" and all(w is None for w in cache.windows)
+            and cache.backend == "auto" and dispatch.use_triton(cache.store[0].k.codes))
+
+
+def bucket(n: int) -> int:
+    """Static batch size of a step of n agents: the next power of two."""
+    return 1 << max(0, n - 1).bit_length()
+
+
+@dataclass
+class _Captured:
+    graph: torch.cuda.CUDAGraph | None  # None: the static step runs eagerly (`capture=False`)
+    fn: object  # the step itself
+    host: torch.Tensor  # pinned int64 [3, B]: tokens, flat write rows, position ids
+    inp: torch.Tensor  # device copy of `host`
+    out: dict  # "logits" float32 [B, vocab], "greedy" int64 [B]: written by each replay
+
+
+class DecodeGraphs:
+    """Captured decode steps of one AgentCache (see module doc)."""
+
+    def __init__(self, model, cache: AgentCache, pad_id: int, warmup: int = 2, capture: bool = True):
+        self.model, self.cache, self.pad_id, self.warmup = model, cache, int(pad_id), warmup
+        self.capture = capture  # False: run the static step eagerly (tests on CPU)
+        self._graphs: dict[int, _Captured] = {}
+        self._version = cache.storage_version
+        self._mempool = None
+
+    def run(self, tokens: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
+        """One decode step of the agents in slots 0..len(tokens)-1, token tokens[g] for slot g.
+        Returns (logits float32 [n, vocab], greedy int64 [n]) — device views valid until the next
+        replay. Advances the cache's host lengths."""
+        cache = self.cache
+        n = len(tokens)
+        B = min((b for b in self._graphs if b >= n), default=bucket(n))
+        base = cache.lens[:n]
+        cache.ensure_rows(int(base.max()) + 1)
+        if B > cache.batch_capacity:
+            cache.reserve(B, cache.seq_capacity)
+        if cache.storage_version != self._version:
+            self._graphs.clear()
+            self._version = cache.storage_version
+        cap = self._graphs.get(B) or self._capture(B)
+        scratch = cache.store[0].scratch_row
+        h = cap.host
+        h[0, :n] = torch.as_tensor(tokens, dtype=torch.long)
+        h[1, :n] = torch.arange(n) * cache.seq_capacity + base
+        h[2, :n] = cache.doc_len + base
+        self._fill_padding(h, n, scratch)
+        cap.inp.copy_(h)
+        if cap.graph is not None:
+            cap.graph.replay()
+        else:
+            cap.fn()
+        cache.lens[:n] = base + 1
+        return cap.out["logits"][:n], cap.out["greedy"][:n]
+
+    def _fill_padding(self, h: torch.Tensor, n: int, scratch: int) -> None:
+        """Padded rows: pad token, write to the scratch row, position doc_len - 1 (an empty suffix)."""
+        h[0, n:] = self.pad_id
+        h[1, n:] = scratch
+        h[2, n:] = self.cache.doc_len - 1
+
+    def _capture(self, B: int) -> _Captured:
+        cache, dev = self.cache, self.cache.device
+        host = torch.empty(3, B, dtype=torch.long, pin_memory=dev.type == "cuda")
+        self._fill_padding(host, 0, cache.store[0].scratch_row)  # warm-up writes go to scratch
+        inp = host.to(dev)
+        mask = dummy_mask(B, 1, dev)
+        out: dict[str, torch.Tensor] = {}
+
+        def step():
+            ids, rows, pos = inp[0].view(B, 1), inp[1].view(B, 1), inp[2].view(B, 1)
+            lens = (pos[:, 0] - cache.doc_len + 1).to(torch.int32)
+            cache._group = Group(sel=slice(0, B), n_q=1, rows=rows, lens=lens,
+                                 seq=cache.seq_capacity)
+            try:
+                res = self.model(input_ids=ids, position_ids=pos, attention_mask=mask,
+                                 past_key_values=cache, use_cache=True, logits_to_keep=1)
+            finally:
+                cache._group = None
+            out["logits"] = res.logits[:, -1].float()
+            out["greedy"] = torch.argmax(out["logits"], dim=-1)
+
+        graph = None
+        if self.capture:
+            if self._mempool is None:
+                self._mempool = torch.cuda.graph_pool_handle()
+            graph = capture_graph(step, self._mempool, self.warmup)
+        else:
+            step()  # allocates the outputs the later calls overwrite
+        cap = _Captured(graph, step, host, inp, out)
+        self._graphs[B] = cap
+        return cap

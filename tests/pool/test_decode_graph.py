@@ -1,0 +1,93 @@
+"""The static decode step of AgentBatch (decode_graph.py) — the code a CUDA graph captures — run
+eagerly on CPU: it must reproduce the eager step exactly (same packed rows, same logits), with
+padded bucket rows that touch nothing, and survive removal and storage growth."""
+
+import pytest
+import torch
+
+from polykv.pool import SharedKVPool
+from polykv.pool.decode_graph import DecodeGraphs, bucket
+
+DOC = list(range(3, 50))
+
+
+def _run(model, tok, k, v, static: bool, feeds, sufs):
+    pool = SharedKVPool(model, tok, k=k, v=v, prefill_chunk=16)
+    doc = pool.add_document(DOC)
+    logits = []
+    with pool.open_batch(doc, capacity=2, seq_capacity=4) as b:
+        if static:
+            b._graphs = DecodeGraphs(model, b.cache, pool._pad_id, capture=False)
+        aids = [b.add(s) for s in sufs]
+        b.step()
+        for i, f in enumerate(feeds):
+            b.feed({a: t for a, t in zip(aids, f) if a in b.agents()})
+            logits.append(torch.stack([lg for _, lg in sorted(b.step().items())]))
+            if i == 1:
+                b.remove(aids[0])  # slot compaction: the last agent moves into slot 0
+        rows = [t.clone() for t in b.cache.tensors()]
+        lens = b.cache.lens.clone()
+    return logits, rows, lens
+
+
+@pytest.mark.parametrize("k,v", [("q8_0", "turbo3"), ("f16", "f16"), ("turbo4", "q4_0")])
+def test_static_step_equals_eager(tiny, k, v):
+    model, tok = tiny
+    sufs = [[5, 6, 7], [8, 9], [10, 11, 12, 13], [14]]  # 4 agents -> bucket 4; 3 after removal
+    feeds = [[20, 21, 22, 23], [24, 25, 26, 27], [28, 29, 30, 31], [32, 33, 34, 35],
+             [36, 37, 38, 39]]  # 5 decode steps: suffixes outgrow seq_capacity 4 (storage grows)
+    a_logits, a_rows, a_lens = _run(model, tok, k, v, False, feeds, sufs)
+    b_logits, b_rows, b_lens = _run(model, tok, k, v, True, feeds, sufs)
+    assert torch.equal(a_lens, b_lens)
+    for x, y in zip(a_logits, b_logits):
+        torch.testing.assert_close(x, y, rtol=0, atol=1e-5)
+    # every live row equal (the scratch row and dead slots may differ)
+    S = (a_rows[0].shape[1] - 1) // a_lens.numel()
+    for x, y in zip(a_rows, b_rows):
+        for slot, n in enumerate(a_lens.tolist()):
+            assert torch.equal(x[:, slot * S: slot * S + n], y[:, slot * S: slot * S + n])
+
+
+def test_static_step_pads_to_bucket_and_step_tokens(tiny):
+    """3 agents run in a bucket of 4: the padded row must not change any agent's result, and
+    step_tokens' greedy ids are the argmax of step()'s logits."""
+    model, tok = tiny
+    pool = SharedKVPool(model, tok, k="q8_0", v="turbo3", prefill_chunk=16)
+    doc = pool.add_document(DOC)
+    assert bucket(3) == 4 and bucket(1) == 1 and bucket(5) == 8
+    with pool.open_batch(doc, capacity=4, seq_capacity=8) as b, \
+            pool.open_batch(doc, capacity=4, seq_capacity=8) as e:
+        b._graphs = DecodeGraphs(model, b.cache, pool._pad_id, capture=False)
+        for batch in (b, e):
+            aids = [batch.add(s) for s in ([5, 6], [7], [8, 9, 10])]
+            batch.step()
+            batch.feed({a: 40 + i for i, a in enumerate(aids)})
+        toks = b.step_tokens()
+        ref = e.step()
+        assert set(b._graphs._graphs) == {4}
+        assert toks == {a: int(torch.argmax(lg)) for a, lg in ref.items()}
+        assert torch.equal(b.cache.lens, e.cache.lens)
+
+
+def test_generate_greedy_unchanged_by_step_tokens(tiny):
+    """pool.generate chooses tokens on the device now; greedy answers equal a step()+argmax loop."""
+    model, tok = tiny
+    pool = SharedKVPool(model, tok, k="q8_0", v="turbo3", prefill_chunk=16)
+    doc = pool.add_document(DOC)
+    prompts = [[5, 6, 7], [8], [9, 10]]
+    pool.generate(doc, prompts, max_new_tokens=5)
+    got = pool.last_generate["answer_ids"]
+    with pool.open_batch(doc) as b:
+        aids = [b.add(p) for p in prompts]
+        want = {a: [] for a in aids}
+        for _ in range(5):
+            lg = b.step()
+            nxt = {a: int(torch.argmax(lg[a])) for a in aids}
+            for a in aids:
+                want[a].append(nxt[a])
+            b.feed(nxt)
+    eos = pool._eos_ids()
+    for a, g in zip(aids, got):
+        w = want[a]
+        cut = next((i for i, t in enumerate(w) if t in eos), len(w))
+        assert g == w[:cut]
