@@ -298,10 +298,11 @@ class SharedKVPool:
 
     # --- agents ------------------------------------------------------------------------------
     def open_batch(self, doc: str, capacity: int | None = None, seq_capacity: int | None = None,
-                   backend: str = "auto"):
+                   backend: str = "auto", graphs: bool = True):
         """An `AgentBatch` over `doc` (holds a reference until closed). An evicted document is
         re-prefilled from its token ids (warns). capacity / seq_capacity: initial agent slots and
-        suffix rows to allocate (grown on demand)."""
+        suffix rows to allocate (grown on demand). graphs: replay captured CUDA graphs for decode
+        steps where supported (CUDA, full-attention layers)."""
         from .agents import AgentBatch
 
         with self._lock:
@@ -313,7 +314,7 @@ class SharedKVPool:
             d.refs += 1
             d.last_used = time.monotonic()
             try:
-                batch = AgentBatch(self, d, capacity, seq_capacity, backend)
+                batch = AgentBatch(self, d, capacity, seq_capacity, backend, graphs)
             except BaseException:
                 d.refs -= 1
                 raise
@@ -356,7 +357,12 @@ class SharedKVPool:
         suffixes = [self.prompt_ids(doc, p, chat_template) for p in prompts]
         stops = [stop] if isinstance(stop, str) else list(stop or [])
         eos = self._eos_ids()
-        gen = torch.Generator().manual_seed(int(seed)) if seed is not None else None
+        # Tokens are chosen on the device (one copy of the ids per step), except sampling on CPU,
+        # which keeps drawing per agent from a CPU generator (seeded outputs as before).
+        on_device = temperature <= 0 or self.device.type != "cpu"
+        gen = None
+        if seed is not None:
+            gen = torch.Generator(device=self.device if on_device else "cpu").manual_seed(int(seed))
         outs: dict[int, list[int]] = {}
         steps = 0
         peak = 0
@@ -368,13 +374,17 @@ class SharedKVPool:
             outs = {a: [] for a in aids}
             live = set(aids) if max_new_tokens > 0 else set()
             while live:
-                logits = batch.step()
+                if on_device:
+                    chosen = batch.step_tokens(temperature, top_p, top_k, gen)
+                else:
+                    chosen = {a: sample_next(lg, temperature, top_p, top_k, gen)
+                              for a, lg in batch.step().items() if a in live}
                 steps += 1
                 feed = {}
                 for a in aids:
                     if a not in live:
                         continue
-                    t = sample_next(logits[a], temperature, top_p, top_k, gen)
+                    t = chosen[a]
                     if t in eos:
                         done = True
                     else:
