@@ -85,9 +85,11 @@ class SharedKVPool:
     device: where the compressed KV lives (default: the model's device).
     budget_bytes: bound on resident shared-prefix bytes (None: unbounded).
     innerq: an `InnerQTable` or a path to one; used only when K is a turbo type.
-    prefill_chunk: tokens per prefill forward. Default (None): 4096 when the KV lives on CUDA (the
-        flash split path, `pool/prefill.py`; same chunking as a plain chunked transformers prefill),
-        512 elsewhere (the CPU path's historical size: CPU outputs stay what they were).
+    prefill_chunk: tokens per prefill forward. Default (None): 4096 where the flash split path of
+        `pool/prefill.py` runs — KV on CUDA and a float16/bfloat16 model (the chunking of a plain
+        chunked transformers prefill) — else 512: the CPU path's historical size (CPU outputs stay
+        what they were), and a CUDA float32 model keeps the masked path, whose [C, L] mask and
+        scores grow with the chunk.
     """
 
     def __init__(self, model, tok, k: str = "q8_0", v: str = "turbo3", device=None,
@@ -100,8 +102,10 @@ class SharedKVPool:
         self.k_type, self.v_type = check_codec_name(k), check_codec_name(v)
         self.device = torch.device(device) if device is not None else next(model.parameters()).device
         self.budget_bytes = budget_bytes
-        self.prefill_chunk = int(prefill_chunk) if prefill_chunk is not None else (
-            4096 if self.device.type == "cuda" else 512)
+        if prefill_chunk is None:
+            half = getattr(model, "dtype", None) in (torch.float16, torch.bfloat16)
+            prefill_chunk = 4096 if self.device.type == "cuda" and half else 512
+        self.prefill_chunk = int(prefill_chunk)
         self.progress = progress
         self.layout = kv_layout(model)
         self._windows = [s.sliding_window for s in self.layout]

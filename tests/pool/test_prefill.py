@@ -106,10 +106,15 @@ def test_auto_path_is_masked_on_cpu_and_split_is_forced():
 
 
 def test_pool_chunk_default_depends_on_device(tiny):
+    """4096 where the split path runs (CUDA, fp16/bf16 model), else 512 (nothing is allocated on
+    the device at construction, so device="cuda" works on a CPU-only machine)."""
     model, tok = tiny
     assert SharedKVPool(model, tok).prefill_chunk == 512
-    assert SharedKVPool(model, tok, device="cuda").prefill_chunk == 4096  # nothing is allocated yet
+    assert SharedKVPool(model, tok, device="cuda").prefill_chunk == 512  # float32: masked path
     assert SharedKVPool(model, tok, prefill_chunk=64).prefill_chunk == 64
+    half = tiny_llama().to(torch.bfloat16)
+    assert SharedKVPool(half, tok, device="cuda").prefill_chunk == 4096
+    assert SharedKVPool(half, tok).prefill_chunk == 512
 
 
 DOC = [3 + (i * 37) % 120 for i in range(150)]
