@@ -2,6 +2,7 @@
 [C, L] mask) equals the masked reference `prefill_attention`. On CPU the split path runs aten's CPU
 flash kernel, so the same code that runs on CUDA (less the kernels) is exercised here."""
 
+import importlib.util
 import math
 
 import pytest
@@ -226,3 +227,30 @@ def test_pool_prefill_split_sliding_window_layers():
     with torch.no_grad():
         ref = model(torch.tensor([doc_ids + [5, 6, 7]])).logits[0, -1]
     torch.testing.assert_close(_next_logits(pool, doc), ref, atol=1e-3, rtol=0)
+
+
+@pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="triton not installed")
+@pytest.mark.parametrize("k,v,innerq", [("q8_0", "turbo3", False), ("turbo4", "q4_0", True)])
+def test_split_path_with_triton_kernels(monkeypatch, k, v, innerq):
+    """The CUDA composition on CPU: history decoded by the Triton dequant kernel and the LSE merge
+    by the Triton merge kernel (interpreter, POLYKV_TRITON_ON_CPU=1), flash on CPU; equals the
+    reference decode + masked attention."""
+    from polykv.kernels import dispatch
+
+    monkeypatch.setenv("POLYKV_TRITON_ON_CPU", "1")
+    monkeypatch.delenv("POLYKV_FORCE_REFERENCE", raising=False)
+    torch.manual_seed(4)
+    Hq, Hkv, D, L, C = 6, 2, 64, 21, 9
+    scales = torch.rand(Hkv, D) + 0.5 if innerq else None
+    layer = CompressedLayer.for_types(k, v, D, 1, Hkv, "cpu", scales)
+    layer.append(torch.randn(1, Hkv, L, D), torch.randn(1, Hkv, L, D))
+    assert dispatch.use_triton(layer.k.codes)
+    hk, hv = _decode_hist(layer, L, torch.float32)
+    rk, rv = _decode_true(layer, 0, L)
+    torch.testing.assert_close(hk, rk, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(hv, rv, atol=1e-5, rtol=1e-5)
+    q, nk, nv = torch.randn(1, Hq, C, D), torch.randn(1, Hkv, C, D), torch.randn(1, Hkv, C, D)
+    kw = dict(scaling=None, hist_start=0, pos0=L, window=None)
+    ref = prefill_attention(q, rk, rv, nk, nv, **kw)
+    torch.testing.assert_close(prefill_attention_split(q, hk, hv, nk, nv, **kw), ref, atol=1e-5,
+                               rtol=1e-5)
