@@ -50,8 +50,20 @@ def kvcache_logits(model, ids: torch.Tensor, k: str, v: str, steps: int) -> torc
 
 
 @torch.inference_mode()
+def decode_graph_logits(model, ids: torch.Tensor, k: str, v: str, steps: int, capture: bool):
+    """As kvcache_logits, the decode steps through polykv.hf.DecodeGraph (captured or eager)."""
+    from polykv.hf import DecodeGraph, KVCache
+
+    cache = KVCache(model, k=k, v=v)
+    n = ids.shape[1] - steps
+    model(ids[:, :n], past_key_values=cache, use_cache=True, logits_to_keep=1)
+    runner = DecodeGraph(model, cache, max_new_tokens=steps, capture=capture)
+    return torch.stack([runner.step(ids[:, t:t + 1])[0].clone() for t in range(n, ids.shape[1])])
+
+
+@torch.inference_mode()
 def pool_logits(model, doc_ids: list[int], suffixes: list[list[int]], k: str, v: str, steps: int,
-                time_steps: bool = False):
+                graphs: bool = True):
     """Agents over one shared document; fixed tokens fed each step. Returns (logits [steps, N, vocab],
     ms per decode step, pool memory report, cuda bytes allocated for the document)."""
     from polykv.pool import SharedKVPool
@@ -65,7 +77,8 @@ def pool_logits(model, doc_ids: list[int], suffixes: list[list[int]], k: str, v:
     gen = torch.Generator().manual_seed(1)
     feeds = torch.randint(0, 32000, (steps, len(suffixes)), generator=gen).tolist()
     out, times = [], []
-    with pool.open_batch(doc, capacity=len(suffixes), seq_capacity=max(map(len, suffixes)) + steps + 1) as b:
+    with pool.open_batch(doc, capacity=len(suffixes), seq_capacity=max(map(len, suffixes)) + steps + 1,
+                         graphs=graphs) as b:
         aids = [b.add(s) for s in suffixes]
         logits = b.step()  # suffix prefill
         for s in range(steps):
@@ -110,6 +123,21 @@ def main() -> None:
         rows.append({"what": "pool cascade logits (8 agents)", "k": k, "v": v, "rel_err": rel(a, b),
                      "top1_agree": float((a.argmax(-1) == b.argmax(-1)).float().mean()),
                      "kv_bytes_shared": mem.get("kv_bytes_shared"), "cuda_alloc_delta_doc": doc_bytes})
+    # Captured decode steps (CUDA graphs) vs the same kernels run eagerly.
+    for k, v in [("q8_0", "turbo3"), ("turbo4", "turbo3")]:
+        a, ms_g, _, _ = pool_logits(model, doc, suffixes, k, v, 8, graphs=True)
+        b, ms_e, _, _ = pool_logits(model, doc, suffixes, k, v, 8, graphs=False)
+        rows.append({"what": "pool graph vs eager (8 agents)", "k": k, "v": v, "rel_err": rel(a, b),
+                     "top1_agree": float((a.argmax(-1) == b.argmax(-1)).float().mean()),
+                     "ms_graph": ms_g, "ms_eager": ms_e})
+        ids = torch.randint(0, 32000, (1, 1040), generator=g).cuda()
+        a = decode_graph_logits(model, ids, k, v, 16, capture=True)
+        b = decode_graph_logits(model, ids, k, v, 16, capture=False)
+        rows.append({"what": "DecodeGraph captured vs static eager", "k": k, "v": v,
+                     "rel_err": rel(a, b), "top1_agree": float((a.argmax(-1) == b.argmax(-1)).float().mean())})
+        c = kvcache_logits(model, ids, k, v, 16)
+        rows.append({"what": "DecodeGraph captured vs KVCache fused", "k": k, "v": v,
+                     "rel_err": rel(a, c), "top1_agree": float((a.argmax(-1) == c.argmax(-1)).float().mean())})
     res["checks"] = rows
     # Decode step time of the whole (2-layer) model: 32 agents over a 16k-token shared document.
     doc = torch.randint(0, 32000, (16384,), generator=g).tolist()
