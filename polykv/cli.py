@@ -11,7 +11,7 @@ import typer
 
 app = typer.Typer(add_completion=False, no_args_is_help=True,
                   help="polykv: shared, compressed KV caches for many agents over one document.")
-bench_app = typer.Typer(no_args_is_help=True, help="Benchmarks (memory fan-out, attention, serving).")
+bench_app = typer.Typer(no_args_is_help=True, help="Benchmarks (memory fan-out, attention, end-to-end, serving).")
 app.add_typer(bench_app, name="bench")
 
 try:  # the quality harness lives in polykv.eval; mounted when importable
@@ -184,6 +184,54 @@ def bench_attention_cmd(
         _console().print(_table("attention", result["rows"],
                                 ["ctx", "agents", "k", "v", "ms", "ms_sdpa_f16", "speedup", "gbps"],
                                 {"ms": "{:.3f}", "ms_sdpa_f16": "{:.3f}", "speedup": "{:.2f}", "gbps": "{:.0f}"}))
+
+
+@bench_app.command("e2e")
+def bench_e2e_cmd(
+    agents: str = typer.Option("1,8,32,64", "--agents", help="pool_decode: agent counts over one document."),
+    ctx: int = typer.Option(32768, "--ctx", help="pool_decode / prefill: document tokens."),
+    layers: int = typer.Option(4, "--layers", help="pool_decode / prefill: model layers."),
+    suffix_tokens: int = typer.Option(64, "--suffix-tokens", help="pool_decode: private tokens per agent."),
+    kv_ctx: int = typer.Option(16384, "--kv-ctx", help="kvcache_decode: prefilled tokens."),
+    kv_layers: int = typer.Option(8, "--kv-layers", help="kvcache_decode: model layers."),
+    kv_batches: str = typer.Option("1,8", "--kv-batches", help="kvcache_decode: batch sizes."),
+    steps: int = typer.Option(20, "--steps", help="Timed decode steps (median reported)."),
+    warmup: int = typer.Option(3, "--warmup", help="Untimed decode steps first."),
+    scenarios: str = typer.Option("pool_decode,prefill,kvcache_decode", "--scenarios"),
+    k: str = typer.Option("q8_0", "--k"),
+    v: str = typer.Option("turbo3", "--v"),
+    chunk: int = typer.Option(4096, "--chunk", help="Prefill chunk (tokens), polykv and baselines alike."),
+    device: str = typer.Option("cuda", "--device", help="cuda, or cpu (smoke runs at small sizes)."),
+    compile_: Optional[bool] = typer.Option(None, "--compile/--no-compile", help="StaticCache + torch.compile "
+                                            "baseline (default: on CUDA only)."),
+    tiny: bool = typer.Option(False, "--tiny", help="A toy model of the same family (CPU tests)."),
+    out: Optional[str] = typer.Option(None, "--out", help="Write gpu_e2e.json and gpu_e2e.png here."),
+    json_out: bool = typer.Option(False, "--json"),
+):
+    """Whole-model decode and prefill, polykv vs plain transformers, on a random Llama-3-8B-shaped
+    model (GPU): N agents over one document, the KVCache drop-in, prefill."""
+    import torch
+
+    if device.startswith("cuda") and not torch.cuda.is_available():
+        raise typer.BadParameter("`polykv bench e2e` needs a CUDA GPU (none found); --device cpu for a smoke run")
+    from .bench.e2e import TABLE_COLUMNS, bench_e2e
+
+    def ints(s: str) -> tuple[int, ...]:
+        return tuple(int(x) for x in s.split(",") if x)
+
+    result = bench_e2e(agents=ints(agents), ctx=ctx, layers=layers, kv_ctx=kv_ctx, kv_layers=kv_layers,
+                       kv_batches=ints(kv_batches), steps=steps, warmup=warmup,
+                       scenarios=tuple(s for s in scenarios.split(",") if s), k=k, v=v,
+                       suffix_tokens=suffix_tokens, chunk=chunk, device=device, compile=compile_, tiny=tiny,
+                       out=out)
+    if json_out:
+        emit(result)
+        return
+    con = _console()
+    con.print(_table("end-to-end decode / prefill (ms, wall clock)", result["rows"], TABLE_COLUMNS,
+                     {c: "{:.3g}" for c in TABLE_COLUMNS[4:]}))
+    for e in result["errors"]:
+        con.print(f"[red]error[/red] {e['scenario']} {e.get('agents', '')}: {e['error'][:300]}")
 
 
 @bench_app.command("serve")
