@@ -17,9 +17,15 @@ from .triton_decode import decode_prepared
 
 
 @triton.jit
-def _merge_kernel(OA, LA, OB, LB, OUT, LSE, D: tl.constexpr):
+def _merge_kernel(OA, LA, OB, LB, OUT, LSE, HKV, M, soa_n, soa_h, soa_m, sla_n, sla_h, sla_m,
+                  D: tl.constexpr):
+    # row r of OB / OUT (contiguous [N, HKV, M]); A is read through its strides, so the prefix
+    # pass's [HKV, N, M] layout needs no transposing copy
     r = tl.program_id(0).to(tl.int64)
-    la = tl.load(LA + r)
+    n = r // (HKV * M)
+    h = (r // M) % HKV
+    mm = r % M
+    la = tl.load(LA + n * sla_n + h * sla_h + mm * sla_m)
     lb = tl.load(LB + r)
     m = tl.maximum(la, lb)
     ms = tl.where(m == float("-inf"), 0.0, m)
@@ -28,7 +34,7 @@ def _merge_kernel(OA, LA, OB, LB, OUT, LSE, D: tl.constexpr):
     tot = wa + wb
     den = tl.where(tot > 0, tot, 1.0)
     d = tl.arange(0, D)
-    oa = tl.load(OA + r * D + d).to(tl.float32)
+    oa = tl.load(OA + n * soa_n + h * soa_h + mm * soa_m + d).to(tl.float32)
     ob = tl.load(OB + r * D + d).to(tl.float32)
     out = (oa * wa + ob * wb) / den
     tl.store(OUT + r * D + d, out.to(OUT.dtype.element_ty))
@@ -36,18 +42,39 @@ def _merge_kernel(OA, LA, OB, LB, OUT, LSE, D: tl.constexpr):
 
 
 def merge_triton(out_a, lse_a, out_b, lse_b, out_dtype=None):
-    """LSE merge of two partial attentions [..., D] / [...]."""
+    """LSE merge of two partial attentions [..., D] / [...]. A 4D out_a [N, H, M, D] / lse_a
+    [N, H, M] may be any strided view (last dim of out_a contiguous); b is made contiguous."""
     D = out_a.shape[-1]
-    oa = out_a.contiguous()
+    if (out_a.dim() == 4 and out_a.shape == out_b.shape and out_a.stride(-1) == 1
+            and lse_a.dtype == torch.float32):
+        N, H, M = out_a.shape[:3]
+        oa, la = out_a, lse_a
+        soa, sla = out_a.stride()[:3], lse_a.stride()
+    else:
+        oa = out_a.contiguous()
+        la = lse_a.float().contiguous()
+        H, M = 1, max(1, la.numel())
+        soa, sla = (0, 0, D), (0, 0, 1)
     ob = out_b.contiguous()
-    la = lse_a.float().contiguous()
     lb = lse_b.float().contiguous()
-    out = torch.empty(out_a.shape, dtype=out_dtype or out_a.dtype, device=out_a.device)
-    lse = torch.empty(lse_a.shape, dtype=torch.float32, device=out_a.device)
-    R = la.numel()
+    out = torch.empty(out_b.shape, dtype=out_dtype or out_a.dtype, device=out_a.device)
+    lse = torch.empty(lse_b.shape, dtype=torch.float32, device=out_a.device)
+    R = lb.numel()
     if R:
-        _merge_kernel[(R,)](oa, la, ob, lb, out, lse, D=D)
+        _merge_kernel[(R,)](oa, la, ob, lb, out, lse, H, M, *soa, *sla, D=D)
     return out, lse
+
+
+_PREFIX_LENS: dict = {}
+
+
+def _prefix_lens(P: int, device) -> torch.Tensor:
+    """int32 [1] holding P, one per (P, device): no fill kernel per call."""
+    key = (P, str(device))
+    t = _PREFIX_LENS.get(key)
+    if t is None:
+        t = _PREFIX_LENS[key] = torch.full((1,), P, dtype=torch.int32, device=device)
+    return t
 
 
 def cascade_prepared(qp: torch.Tensor, n_q: int, prefix_k: Packed, prefix_v: Packed,
@@ -59,7 +86,7 @@ def cascade_prepared(qp: torch.Tensor, n_q: int, prefix_k: Packed, prefix_v: Pac
     P = prefix_k.codes.shape[2]
     # all agents' rows of a KV head side by side: [1, Hkv, N*M, D]
     qc = qp.permute(1, 0, 2, 3).reshape(1, Hkv, N * M, D).contiguous()
-    plen = torch.full((1,), P, dtype=torch.int32, device=qp.device)
+    plen = _prefix_lens(P, qp.device)
     out_p, lse_p = decode_prepared(qc, n_q, prefix_k, prefix_v, k_codec, v_codec, plen,
                                    causal=False, window=None, sm_scale=sm_scale,
                                    block_m_max=prefix_block_m, **kw)

@@ -29,6 +29,7 @@ the table baked into the asm string (asm_strings()).
 from __future__ import annotations
 
 import numpy as np
+import torch
 import triton
 import triton.language as tl
 
@@ -276,3 +277,18 @@ def load_tile(CODES, SCALES, CENT, row_off, srow_off, nmask, g: tl.constexpr, BN
         val = tl.reshape(tl.join(tl.join(tl.join(v0, v1), tl.join(v2, v3)),
                                  tl.join(tl.join(v4, v5), tl.join(v6, v7))), [BN, GW])
     return val
+
+
+_PLACEHOLDERS: dict = {}
+
+
+def placeholder(device) -> torch.Tensor:
+    """A float32 [1] tensor for pointer arguments a kernel variant never reads (codebooks of
+    non-turbo codecs, absent InnerQ scales): one per device, so launches allocate and fill nothing
+    (a captured decode step would otherwise carry a fill kernel per call)."""
+    key = str(torch.device(device))
+    t = _PLACEHOLDERS.get(key)
+    if t is None:
+        t = _PLACEHOLDERS[key] = torch.zeros(1, dtype=torch.float32, device=device)
+    return t
+

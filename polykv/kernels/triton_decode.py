@@ -17,7 +17,7 @@ import triton
 import triton.language as tl
 
 from ..codecs import Packed
-from .triton_codec import asm_ok, asm_strings, codec_meta, load_tile, perm_cols
+from .triton_codec import asm_ok, asm_strings, codec_meta, load_tile, perm_cols, placeholder
 
 LOG2E = 1.4426950408889634
 LN2 = 0.6931471805599453
@@ -224,10 +224,6 @@ def _block_n(d: int) -> int:
     return {64: 64, 128: 64, 256: 32, 512: 32}.get(d, 32)
 
 
-def _dummy(device):
-    return torch.zeros(1, dtype=torch.float32, device=device)
-
-
 _SMS: dict = {}
 
 
@@ -264,8 +260,8 @@ def decode_prepared(qp: torch.Tensor, n_q: int, k: Packed, v: Packed, k_codec, v
     S = k.codes.shape[2]
     kc, ks, kcs, kss = _strides(k, k.codes.shape[0] == 1 and B > 1)
     vc, vs, vcs, vss = _strides(v, v.codes.shape[0] == 1 and B > 1)
-    kcent = k_codec.tables(dev)[0] if km["KIND"] == 3 else _dummy(dev)
-    vcent = v_codec.tables(dev)[0] if vm["KIND"] == 3 else _dummy(dev)
+    kcent = k_codec.tables(dev)[0] if km["KIND"] == 3 else placeholder(dev)
+    vcent = v_codec.tables(dev)[0] if vm["KIND"] == 3 else placeholder(dev)
     BLOCK_M = max(16, min(block_m_max, triton.next_power_of_2(M)))
     n_mt = triton.cdiv(M, BLOCK_M)
     BLOCK_N = block_n or (128 if BLOCK_M <= 16 and D <= 128 else _block_n(D))

@@ -11,7 +11,7 @@ import triton
 import triton.language as tl
 
 from ..codecs import Packed, rotation_matrix
-from .triton_codec import codec_meta
+from .triton_codec import codec_meta, placeholder
 
 
 @triton.jit
@@ -75,7 +75,7 @@ def dequantize_triton(p: Packed, codec, dtype=torch.float16, rotated: bool = Fal
     scales = p.scales.reshape(R, -1).contiguous() if p.scales is not None else codes
     nsc = scales.shape[1] if p.scales is not None else 0
     out = torch.empty(R, D, dtype=dtype, device=dev)
-    dummy = torch.zeros(1, dtype=torch.float32, device=dev)
+    dummy = placeholder(dev)
     if meta["KIND"] == 3:
         cent = codec.tables(dev)[0]
         rott = rotation_matrix(meta["G"], dev).t().contiguous()

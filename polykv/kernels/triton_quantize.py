@@ -17,7 +17,7 @@ import triton
 import triton.language as tl
 
 from ..codecs import Packed, rotation_matrix
-from .triton_codec import codec_meta
+from .triton_codec import codec_meta, placeholder
 
 
 @triton.jit
@@ -140,6 +140,19 @@ def _quantize_kernel(X, POS, SCL, CODES, SCALES, ROT, CENT, BOUNDS,
             tl.store(SCALES + srow[:, None] + jb[None, :], d16, mask=m2)
 
 
+_ROT16: dict = {}
+
+
+def _signed_rotation(G: int, device) -> torch.Tensor:
+    """The rotation times sqrt(G) as fp16 (entries exactly +-1), built once per (G, device)."""
+    key = (G, str(torch.device(device)))
+    r = _ROT16.get(key)
+    if r is None:
+        r = (rotation_matrix(G, device) * math.sqrt(G)).round().to(torch.float16).contiguous()
+        _ROT16[key] = r
+    return r
+
+
 def quantize_into_triton(dst: Packed, x: torch.Tensor, codec, positions: torch.Tensor,
                          innerq: torch.Tensor | None = None, block_t: int = 16,
                          num_warps: int = 4) -> None:
@@ -154,9 +167,9 @@ def quantize_into_triton(dst: Packed, x: torch.Tensor, codec, positions: torch.T
         raise ValueError("dst must be contiguous in the last dim")
     if x.stride(-1) != 1:
         x = x.contiguous()
-    dummy = torch.zeros(1, dtype=torch.float32, device=dev)
+    dummy = placeholder(dev)
     if meta["KIND"] == 3:
-        rot = (rotation_matrix(meta["G"], dev) * math.sqrt(meta["G"])).round().to(torch.float16).contiguous()
+        rot = _signed_rotation(meta["G"], dev)
         cent, bounds = codec.tables(dev)
     else:
         rot = cent = bounds = dummy
