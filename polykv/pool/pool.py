@@ -26,14 +26,7 @@ import torch
 from ..cache.accounting import storage_bytes
 from ..cache.layer import CompressedLayer
 from ..codecs import InnerQTable, check_codec_name, get_codec
-
-
-class PoolError(RuntimeError):
-    """Invalid pool operation (unknown document, document in use, ...)."""
-
-
-class DocumentInUseError(PoolError):
-    """The document is referenced by open agent batches."""
+from ..errors import DocumentInUseError, PoolError, UnknownDocumentError  # noqa: F401 (re-exported)
 
 
 class PoolFormatError(ValueError):
@@ -195,7 +188,7 @@ class SharedKVPool:
         try:
             return self._docs[doc]
         except KeyError:
-            raise PoolError(f"unknown document {doc!r}; known: {sorted(self._docs)}") from None
+            raise UnknownDocumentError(f"unknown document {doc!r}; known: {sorted(self._docs)}", doc) from None
 
     def _enforce_budget(self, keep: str | None = None) -> None:
         if self.budget_bytes is None:
