@@ -2,6 +2,6 @@
 
 from .accounting import storage_bytes
 from .layer import CompressedLayer
-from .slots import SlotRows
+from .pages import PagedRows, PageTable
 
-__all__ = ["CompressedLayer", "SlotRows", "storage_bytes"]
+__all__ = ["CompressedLayer", "PageTable", "PagedRows", "storage_bytes"]

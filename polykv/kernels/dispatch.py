@@ -141,11 +141,16 @@ def attention_decode(q: torch.Tensor, k: Packed, v: Packed, k_codec, v_codec, *,
 
 def cascade_attention(q: torch.Tensor, prefix_k: Packed, prefix_v: Packed, suffix_k: Packed,
                       suffix_v: Packed, suffix_lens: torch.Tensor, k_codec, v_codec, *,
-                      sm_scale: float | None = None, k_innerq: torch.Tensor | None = None, **tune):
+                      sm_scale: float | None = None, k_innerq: torch.Tensor | None = None,
+                      suffix_pages: torch.Tensor | None = None, page_size: int = 0, **tune):
     """q [N, Hq, n_q, D]: every agent sees the whole shared prefix (Packed leading [1, Hkv, P]) and
     its own suffix (Packed leading [N, Hkv, S_cap], suffix_lens [N], causal; 0 is legal).
-    Returns out [N, Hq, n_q, D] (q.dtype), lse float32 [N, Hq, n_q]."""
+    suffix_pages int32 [N, max_pages] with page_size: the suffix Packed is a page pool (leading
+    [1, Hkv, rows]) and agent n's row j lives at suffix_pages[n, j // page_size] * page_size +
+    j % page_size. Returns out [N, Hq, n_q, D] (q.dtype), lse float32 [N, Hq, n_q]."""
     if not use_triton(q, prefix_k.codes, suffix_k.codes):
+        if suffix_pages is not None:
+            suffix_k, suffix_v = (gather_pages(p, suffix_pages, page_size) for p in (suffix_k, suffix_v))
         return ref.cascade_attention_ref(q, prefix_k, prefix_v, suffix_k, suffix_v, suffix_lens,
                                          k_codec, v_codec, sm_scale=sm_scale, k_innerq=k_innerq)
     cas = _k()[1]
@@ -156,9 +161,23 @@ def cascade_attention(q: torch.Tensor, prefix_k: Packed, prefix_v: Packed, suffi
     qp = _prep_q(q, kc, k_innerq, hkv)
     out, lse = cas.cascade_prepared(qp, n_q, prefix_k, prefix_v, suffix_k, suffix_v,
                                     suffix_lens.to(device=q.device), kc, vc, sm_scale=sm_scale,
-                                    **tune)
+                                    suffix_pages=suffix_pages, page_size=page_size, **tune)
     out = _finish(out.reshape(N, Hq, n_q, D), vc).to(q.dtype)
     return out, lse.reshape(N, Hq, n_q)
+
+
+def gather_pages(pool: Packed, table: torch.Tensor, page_size: int) -> Packed:
+    """Paged rows -> dense: pool leading [1, Hkv, rows], table int [N, max_pages] -> Packed leading
+    [N, Hkv, max_pages * page_size] (row j of sequence n = pool row table[n, j // page_size] *
+    page_size + j % page_size). The reference side of every paged read."""
+    dev = pool.codes.device
+    t = table.to(device=dev, dtype=torch.long)
+    rows = (t[:, :, None] * page_size + torch.arange(page_size, device=dev)).reshape(t.shape[0], -1)
+
+    def take(x):
+        return None if x is None else x[0][:, rows].transpose(0, 1)
+
+    return Packed(take(pool.codes), take(pool.scales))
 
 
 def merge_attention(out_a: torch.Tensor, lse_a: torch.Tensor, out_b: torch.Tensor,

@@ -79,8 +79,10 @@ def _prefix_lens(P: int, device) -> torch.Tensor:
 
 def cascade_prepared(qp: torch.Tensor, n_q: int, prefix_k: Packed, prefix_v: Packed,
                      suffix_k: Packed, suffix_v: Packed, suffix_lens: torch.Tensor, k_codec,
-                     v_codec, *, sm_scale: float, prefix_block_m: int = 64, **kw):
-    """qp float32 [N, Hkv, M, D] in K's storage domain. Returns (out, lse) float32
+                     v_codec, *, sm_scale: float, prefix_block_m: int = 64,
+                     suffix_pages: torch.Tensor | None = None, page_size: int = 0, **kw):
+    """qp float32 [N, Hkv, M, D] in K's storage domain. suffix_pages int32 [N, max_pages]: the
+    suffixes are a page pool (see decode_prepared). Returns (out, lse) float32
     [N, Hkv, M, D] (V storage domain) / [N, Hkv, M]."""
     N, Hkv, M, D = qp.shape
     P = prefix_k.codes.shape[2]
@@ -92,9 +94,10 @@ def cascade_prepared(qp: torch.Tensor, n_q: int, prefix_k: Packed, prefix_v: Pac
                                    block_m_max=prefix_block_m, **kw)
     out_p = out_p.reshape(Hkv, N, M, D).permute(1, 0, 2, 3)
     lse_p = lse_p.reshape(Hkv, N, M).permute(1, 0, 2)
-    if suffix_k.codes.shape[2] == 0:
+    if suffix_k.codes.shape[2] == 0 or (suffix_pages is not None and suffix_pages.shape[1] == 0):
         return out_p.contiguous(), lse_p.contiguous()
     out_s, lse_s = decode_prepared(qp, n_q, suffix_k, suffix_v, k_codec, v_codec,
                                    suffix_lens.to(torch.int32).contiguous(), causal=True,
-                                   window=None, sm_scale=sm_scale, **kw)
+                                   window=None, sm_scale=sm_scale, page_table=suffix_pages,
+                                   page_size=page_size, **kw)
     return merge_triton(out_p, lse_p, out_s, lse_s, torch.float32)

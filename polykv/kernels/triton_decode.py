@@ -11,6 +11,7 @@ Stage 2 (`_combine_kernel`) merges the splits by log-sum-exp.
 
 from __future__ import annotations
 
+import math
 
 import torch
 import triton
@@ -73,11 +74,11 @@ def _pv(acc, alpha, p, VC, VS, VCENT, v_off, vs_off, nmask, g: tl.constexpr,
 
 @triton.jit
 def _decode_kernel(
-        Q, KC, KS, VC, VS, KCENT, VCENT, KV_LENS, O_PART, L_PART,
+        Q, KC, KS, VC, VS, KCENT, VCENT, KV_LENS, PT, O_PART, L_PART,
         skb, skh, sks, sksb, sksh, skss,
         svb, svh, svs, svsb, svsh, svss,
-        HKV, M_TOTAL, N_Q, SPLIT_LEN, N_SPLITS, qk_scale, WINDOW,
-        D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+        HKV, M_TOTAL, N_Q, SPLIT_LEN, N_SPLITS, qk_scale, WINDOW, PT_STRIDE,
+        D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, PAGE: tl.constexpr,
         K_KIND: tl.constexpr, K_BITS: tl.constexpr, K_G: tl.constexpr, K_GW: tl.constexpr,
         K_NPH: tl.constexpr, K_DEC: tl.constexpr,
         V_KIND: tl.constexpr, V_BITS: tl.constexpr, V_G: tl.constexpr, V_GW: tl.constexpr,
@@ -127,7 +128,11 @@ def _decode_kernel(
     for n0 in range(start, end, BLOCK_N):
         offs_n = n0 + tl.arange(0, BLOCK_N)
         nmask = offs_n < end
-        on = offs_n.to(tl.int64)
+        if PAGE > 0:  # paged rows: a tile never straddles a page (PAGE % BLOCK_N == 0)
+            page = tl.load(PT + b.to(tl.int64) * PT_STRIDE + n0 // PAGE).to(tl.int64)
+            on = page * PAGE + (n0 % PAGE) + tl.arange(0, BLOCK_N).to(tl.int64)
+        else:
+            on = offs_n.to(tl.int64)
         k_off = kbase + on * sks
         ks_off = ksbase + on * skss
         # ---- scores
@@ -248,16 +253,19 @@ def decode_prepared(qp: torch.Tensor, n_q: int, k: Packed, v: Packed, k_codec, v
                     kv_lens: torch.Tensor, *, causal: bool, window: int | None, sm_scale: float,
                     block_m_max: int = 64, target_programs: int | None = None,
                     num_warps: int | None = None, num_stages: int = 2, block_n: int | None = None,
-                    dec: str = "auto", lut: str | None = None):
+                    dec: str = "auto", lut: str | None = None,
+                    page_table: torch.Tensor | None = None, page_size: int = 0):
     """qp: float32 [B, Hkv, M, D] contiguous, already in K's storage domain (rotated / InnerQ-
     divided), rows r = head_in_group * n_q + j. k, v: Packed leading [B or 1, Hkv, S_cap].
     dec: "asm" (PTX byte-permute lookup, CUDA only), "select" (plain Triton), "auto" (asm where it
-    applies and builds). Returns out float32 [B, Hkv, M, D] in V's storage domain, lse float32
-    [B, Hkv, M]."""
+    applies and builds). page_table int32 [B, max_pages] (with page_size): k, v are a page pool
+    (leading [1, Hkv, rows]) and row n of sequence b lives at page_table[b, n // page_size] *
+    page_size + n % page_size. Returns out float32 [B, Hkv, M, D] in V's storage domain, lse
+    float32 [B, Hkv, M]."""
     B, Hkv, M, D = qp.shape
     dev = qp.device
     km, vm = codec_meta(k_codec), codec_meta(v_codec)
-    S = k.codes.shape[2]
+    S = k.codes.shape[2] if page_table is None else page_table.shape[1] * page_size
     kc, ks, kcs, kss = _strides(k, k.codes.shape[0] == 1 and B > 1)
     vc, vs, vcs, vss = _strides(v, v.codes.shape[0] == 1 and B > 1)
     kcent = k_codec.tables(dev)[0] if km["KIND"] == 3 else placeholder(dev)
@@ -270,7 +278,18 @@ def decode_prepared(qp: torch.Tensor, n_q: int, k: Packed, v: Packed, k_codec, v
     # every byte chunk [BLOCK_N, W] must give each thread >= 4 elements (no replicated tiny tiles;
     # the inline-asm lookup packs 4): raise BLOCK_N where a chunk would be too small
     w_min = min(km["GW"] // km["NPH"], vm["GW"] // vm["NPH"])
-    BLOCK_N = max(BLOCK_N, triton.next_power_of_2(triton.cdiv(4 * 32 * num_warps, w_min)))
+    n_min = triton.next_power_of_2(triton.cdiv(4 * 32 * num_warps, w_min))
+    BLOCK_N = max(BLOCK_N, n_min)
+    paged = page_table is not None
+    if paged:  # one page per tile: the tile shrinks to the page, never below the layout minimum
+        if page_size % max(16, n_min):
+            raise ValueError(f"page_size {page_size} is not a multiple of the row tile this codec "
+                             f"pair needs ({max(16, n_min)} rows)")
+        BLOCK_N = math.gcd(BLOCK_N, page_size)
+        page_table = page_table.to(device=dev, dtype=torch.int32)
+        pt_stride = page_table.stride(0)
+    else:
+        page_table, pt_stride = kv_lens, 0
     target = target_programs or num_programs_target(dev)
     max_splits = max(1, triton.cdiv(S, BLOCK_N))
     n_splits = max(1, min(max_splits, triton.cdiv(target, B * Hkv * n_mt)))
@@ -291,10 +310,10 @@ def decode_prepared(qp: torch.Tensor, n_q: int, k: Packed, v: Packed, k_codec, v
 
     def launch(kd, vd, ka, va):
         _decode_kernel[grid](
-            qp, kc, ks, vc, vs, kcent, vcent, kv_lens, o_part, l_part,
+            qp, kc, ks, vc, vs, kcent, vcent, kv_lens, page_table, o_part, l_part,
             *kcs, *kss, *vcs, *vss,
-            Hkv, M, n_q, split_len, n_splits, sm_scale * LOG2E, int(window or 0),
-            D=D, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N,
+            Hkv, M, n_q, split_len, n_splits, sm_scale * LOG2E, int(window or 0), pt_stride,
+            D=D, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, PAGE=int(page_size) if paged else 0,
             K_KIND=km["KIND"], K_BITS=km["BITS"], K_G=km["G"], K_GW=km["GW"], K_NPH=km["NPH"],
             K_DEC=kd,
             V_KIND=vm["KIND"], V_BITS=vm["BITS"], V_G=vm["G"], V_GW=vm["GW"], V_NPH=vm["NPH"],

@@ -1,8 +1,8 @@
 """transformers Cache subclasses used by the pool (imported lazily: this module imports transformers).
 
 * `AgentCache`    — N agents over one shared document. The prefix is the document's compressed layers
-  (batch 1, shared, read-only); each agent's suffix lives in per-layer packed slot storage
-  (`polykv.cache.SlotRows`: one slot of seq_capacity rows per agent) with per-agent valid lengths
+  (batch 1, shared, read-only); each agent's suffix lives in fixed-size pages of a per-layer
+  page pool (`polykv.cache.pages`: one page table for all layers) with per-agent valid lengths
   (`lens`). Attention is the
   cascade (prefix read once per layer per forward for all agents) merged with each agent's own suffix
   by LSE. transformers' attention mask is ignored: the cache knows every agent's length.
@@ -20,7 +20,7 @@ from transformers.cache_utils import Cache
 
 from ..cache.accounting import storage_bytes
 from ..cache.layer import CompressedLayer
-from ..cache.slots import SlotRows
+from ..cache.pages import PagedRows, PageTable
 from ..hf.attention import activate
 from .attention import cascade_attention
 
@@ -31,17 +31,22 @@ def dummy_mask(batch: int, q_len: int, device) -> torch.Tensor:
     return torch.ones(batch, 1, q_len, 1, dtype=torch.bool, device=device)
 
 
+PAGE_SIZE = 64
+"""Suffix rows per page: small enough that short agent suffixes waste little, a multiple of the
+kernels' row tile (they read one page per tile)."""
+
+
 @dataclass
 class Group:
     """One forward of the agents in `slots` (row g = agent in slots[g]), n_q query columns each,
     left-padded. Host fields drive bookkeeping; device fields are what the kernels read (a captured
     decode step keeps static device tensors here and refills them in place)."""
 
-    sel: slice | torch.Tensor  # the slots, as a slice when contiguous (a strided view, no gather)
+    sel: slice | torch.Tensor  # the slots (page-table rows), a slice when contiguous
     n_q: int
-    rows: torch.Tensor  # int64 [G, n_q] flat write rows (device; padded columns -> scratch row)
+    rows: torch.Tensor  # int64 [G, n_q] pool rows to write (device; padded columns -> scratch)
     lens: torch.Tensor  # int32 [G] suffix lengths after this forward (device)
-    seq: int  # suffix rows the attention reads per agent (>= every length)
+    seq: int  # suffix rows the torch path reads per agent (>= every length)
     slots: torch.Tensor | None = None  # int64 [G] (host)
     new: torch.Tensor | None = None  # int64 [G] lengths after this forward (host)
 
@@ -52,11 +57,13 @@ class AgentCache(Cache):
     doc_layers: the document's CompressedLayers (batch 1, compacted; shared, never written)
     prefix_start: per layer, absolute position of prefix row 0; doc_len: P (suffix row 0 sits at P)
     windows: per layer sliding window or None
+    batch_capacity / seq_capacity: slots and pages to allocate up front (batch_capacity *
+        ceil(seq_capacity / PAGE_SIZE) pages; more are added on demand).
     """
 
     def __init__(self, doc_layers: list[CompressedLayer], prefix_start: list[int], doc_len: int,
                  windows: list[int | None], batch_capacity: int = 4, seq_capacity: int = 0,
-                 backend: str = "auto"):
+                 backend: str = "auto", page_size: int = PAGE_SIZE):
         super().__init__(layers=[])
         self.doc_layers = doc_layers
         self.prefix_start = prefix_start
@@ -64,76 +71,96 @@ class AgentCache(Cache):
         self.windows = windows
         self.backend = backend
         self.device = doc_layers[0].device
-        self.store = [SlotRows(d.k_codec, d.v_codec, d.kv_heads, d.device, d.key_scales)
+        self.pages = PageTable(page_size, self.device)
+        self.store = [PagedRows(d.k_codec, d.v_codec, d.kv_heads, page_size, d.device, d.key_scales)
                       for d in doc_layers]
         self.lens = torch.zeros(0, dtype=torch.long)  # host: valid suffix rows per slot
-        self.batch_capacity = 0
-        self.seq_capacity = 0
-        self.storage_version = 0  # bumped whenever storage is reallocated (captured steps go stale)
         self.reserve(max(1, batch_capacity), seq_capacity)
         self._group: Group | None = None
 
     # --- storage -----------------------------------------------------------------------------
-    def reserve(self, batch_capacity: int, seq_capacity: int) -> None:
-        """Grow storage to at least batch_capacity slots x seq_capacity rows per layer (exact sizes;
-        callers decide the growth policy). Existing rows are kept."""
-        b = max(self.batch_capacity, int(batch_capacity))
-        s = max(self.seq_capacity, int(seq_capacity))
-        if b == self.batch_capacity and s == self.seq_capacity:
-            return
-        for st in self.store:
-            st.reserve(b, s)
-        lens = torch.zeros(b, dtype=torch.long)
-        lens[: self.lens.numel()] = self.lens
-        self.lens = lens
-        self.batch_capacity, self.seq_capacity = b, s
-        self.storage_version += 1
+    @property
+    def batch_capacity(self) -> int:
+        return self.pages.slots
 
-    def ensure_rows(self, rows: int) -> None:
-        """Room for `rows` suffix rows per slot (grows by doubling, at least 16)."""
-        if rows > self.seq_capacity:
-            self.reserve(self.batch_capacity, max(rows, 2 * self.seq_capacity, 16))
+    @property
+    def storage_version(self) -> int:
+        """Changes whenever a tensor the kernels read is reallocated (captured steps go stale)."""
+        return self.pages.version
+
+    def reserve(self, batch_capacity: int, seq_capacity: int = 0) -> None:
+        """Room for at least batch_capacity slots, and free pages for batch_capacity *
+        ceil(seq_capacity / page_size) rows beyond those in use (allocated now: no growth later)."""
+        b = max(self.batch_capacity, int(batch_capacity))
+        self.pages.reserve(b, self.pages.pages_for(seq_capacity))
+        self.reserve_rows([seq_capacity] * b)
+        if b > self.lens.numel():
+            lens = torch.zeros(b, dtype=torch.long)
+            lens[: self.lens.numel()] = self.lens
+            self.lens = lens
+
+    def reserve_rows(self, rows: list[int]) -> None:
+        """Free pages for agents of rows[i] rows each, beyond the pages in use (allocated now, so
+        those agents grow without reallocating the pools)."""
+        want = self.pages.used_pages() + sum(self.pages.pages_for(r) for r in rows)
+        if want > self.pages.n_pages:
+            self.pages.add_pages(want - self.pages.n_pages)
+        self._grow_storage()
+
+    def _grow_storage(self) -> None:
+        for st in self.store:
+            st.grow(self.pages.n_pages)
+
+    def ensure_rows(self, slots: list[int], rows: list[int]) -> None:
+        """Pages for rows[i] rows in slots[i] (a new page is taken from the free list; the pool
+        grows only when none is free)."""
+        for s, r in zip(slots, rows):
+            self.pages.ensure(s, r)
+        self._grow_storage()
 
     def move_slot(self, src: int, dst: int) -> None:
-        """Copy agent slot `src` (its valid rows) into slot `dst` (swap-remove compaction)."""
-        n = int(self.lens[src])
-        for st in self.store:
-            st.move(src, dst, n)
-        self.lens[dst] = n
+        """Agent slot `src` becomes slot `dst` (swap-remove compaction): its page-table row moves,
+        no K/V row is copied; dst's pages are freed."""
+        self.pages.move(src, dst)
+        self.lens[dst] = self.lens[src]
         self.lens[src] = 0
 
     def clear_slot(self, slot: int) -> None:
+        """Empty a slot and free its pages."""
+        self.pages.free(slot)
         self.lens[slot] = 0
 
     def nbytes(self) -> int:
-        """Measured bytes of all suffix storage (allocated capacity included)."""
+        """Measured bytes of all suffix storage (the page pools, free pages included)."""
         return storage_bytes(self.tensors())
 
     def tensors(self) -> list[torch.Tensor]:
         return [t for st in self.store for t in st.tensors()]
 
+    def scratch_row(self) -> int:
+        return self.store[0].scratch_row
+
     # --- one forward -------------------------------------------------------------------------
     def begin(self, slots: list[int], counts: list[int], n_q: int) -> None:
         """Prepare a forward of len(slots) agents (row g = agent in slots[g]) with n_q query columns,
         left-padded: agent g's counts[g] real tokens are its last columns. Host work only, plus one
-        host-to-device copy of the write rows and lengths."""
+        host-to-device copy of the write rows and lengths (and of the page table when it changed)."""
         slots_t = torch.tensor(slots, dtype=torch.long)
         counts_t = torch.tensor(counts, dtype=torch.long)
         base = self.lens[slots_t]
         new = base + counts_t
-        need = int(new.max()) if len(slots) else 0
-        self.ensure_rows(need)
+        self.ensure_rows(slots, new.tolist())
         # column j of agent g holds suffix position new[g] - n_q + j; < base[g] means padding
         pos = new[:, None] - n_q + torch.arange(n_q)[None, :]
         pos = torch.where(pos < base[:, None], torch.full_like(pos, -1), pos)
-        rows = self.store[0].flat_rows(slots_t, pos)
+        rows = self.pages.flat_rows(slots_t, pos, self.scratch_row())
         packed = torch.cat([rows.reshape(-1), new]).to(self.device, non_blocking=True)
         G = len(slots)
         contiguous = slots == list(range(slots[0], slots[0] + G)) if slots else True
         sel = slice(slots[0], slots[0] + G) if contiguous else slots_t.to(self.device)
         self._group = Group(sel=sel, n_q=n_q, rows=packed[: G * n_q].view(G, n_q),
-                            lens=packed[G * n_q:].to(torch.int32), seq=need, slots=slots_t,
-                            new=new)
+                            lens=packed[G * n_q:].to(torch.int32),
+                            seq=int(new.max()) if G else 0, slots=slots_t, new=new)
 
     def commit(self) -> None:
         g = self._group
@@ -163,9 +190,11 @@ class AgentCache(Cache):
         li = module.layer_idx
         g = self._group
         doc = self.doc_layers[li]
-        sk, sv = self.store[li].view(g.sel, g.seq)
+        sk, sv = self.store[li].pool()
         out, _ = cascade_attention(
             query, doc.keys(), doc.values(), sk, sv, g.lens, doc.k_codec, doc.v_codec,
             sm_scale=scaling, k_innerq=doc.key_scales, window=self.windows[li],
-            prefix_start=self.prefix_start[li], prefix_end=self.doc_len, backend=self.backend)
+            prefix_start=self.prefix_start[li], prefix_end=self.doc_len, backend=self.backend,
+            suffix_pages=self.pages.device_table()[g.sel], page_size=self.pages.page_size,
+            suffix_rows=g.seq)
         return out.transpose(1, 2)

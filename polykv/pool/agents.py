@@ -14,9 +14,10 @@ Semantics
   token (decode) in one forward, agents with several (prompt prefill) in another, left-padded to the
   longest; different suffix lengths share one batch. Agents with nothing pending are not recomputed:
   their previous logits are returned again.
-* Each agent's suffix K/V is private, compressed with the pool's codecs, in one slot of
-  seq_capacity rows per layer (`polykv.cache.SlotRows`); removed agents' slots are reused (the last
-  slot is moved into the hole, so live agents always occupy slots 0..n-1).
+* Each agent's suffix K/V is private, compressed with the pool's codecs, in fixed-size pages
+  (`polykv.cache.pages`): an agent holds the pages its length needs, growth takes a free page (no
+  copy), a removed agent's pages are reused, and the last slot's page-table row moves into the hole
+  (live agents always occupy slots 0..n-1; no K/V row is copied).
 * On CUDA, a decode step of agents in slots 0..n-1 replays a captured CUDA graph
   (`decode_graph.py`; `graphs=False` or POLYKV_CUDA_GRAPHS=0 keeps it eager).
 * A batch is not thread-safe by itself; use one batch per thread (the pool is thread-safe).
@@ -75,11 +76,17 @@ class AgentBatch:
         aid = next(self._ids)
         slot = len(self._slots)
         if slot >= self.cache.batch_capacity:
-            self.cache.reserve(max(2 * self.cache.batch_capacity, slot + 1), self.cache.seq_capacity)
+            self.cache.reserve(max(2 * self.cache.batch_capacity, slot + 1))
         self.cache.clear_slot(slot)
         self._slots.append(aid)
         self._agents[aid] = _Agent(aid, slot, pending=ids)
         return aid
+
+    def reserve(self, rows: list[int]) -> None:
+        """Allocate pages now for agents of rows[i] suffix rows each (prompt + new tokens), so
+        that they grow without reallocating storage (which would also drop captured steps)."""
+        self._check_open()
+        self.cache.reserve_rows(rows)
 
     def feed(self, tokens: dict[int, int]) -> None:
         """Queue one token per agent ({aid: token_id}) for the next step."""

@@ -133,18 +133,31 @@ def _dispatch_module():
 
 def cascade_attention(q, prefix_k, prefix_v, suffix_k, suffix_v, suffix_lens, k_codec, v_codec, *,
                       sm_scale=None, k_innerq=None, window=None, prefix_start=0, prefix_end=None,
-                      backend: str = "auto"):
+                      backend: str = "auto", suffix_pages=None, page_size: int = 0,
+                      suffix_rows: int | None = None):
     """Route full-attention layers to `dispatch.cascade_attention` when it would run a Triton kernel
     (CUDA tensors, or the interpreter in tests) — or always with backend="dispatch"; everything else
     (CPU, sliding-window layers) runs `cascade_torch`, which decodes the prefix once per call for all
-    agents (dispatch's CPU reference expands the prefix per agent, which the pool must not do)."""
+    agents (dispatch's CPU reference expands the prefix per agent, which the pool must not do).
+
+    suffix_pages int32 [N, max_pages] / page_size: suffix_k / suffix_v are page pools (leading
+    [1, Hkv, rows]); the kernels read them through the table, the torch path gathers the first
+    `suffix_rows` rows of each agent (default: every page)."""
     mod = _dispatch_module() if window is None and backend in ("auto", "dispatch") else None
     if backend == "dispatch" and mod is None:
         raise RuntimeError("polykv.kernels.dispatch.cascade_attention is not available here")
     if mod is not None and (backend == "dispatch" or mod.use_triton(q, prefix_k.codes)):
         return mod.cascade_attention(q, prefix_k, prefix_v, suffix_k, suffix_v,
                                      suffix_lens.to(device=q.device, dtype=torch.int32), k_codec,
-                                     v_codec, sm_scale=sm_scale, k_innerq=k_innerq)
+                                     v_codec, sm_scale=sm_scale, k_innerq=k_innerq,
+                                     suffix_pages=suffix_pages, page_size=page_size)
+    if suffix_pages is not None:
+        from ..kernels.dispatch import gather_pages
+
+        rows = suffix_pages.shape[1] * page_size if suffix_rows is None else int(suffix_rows)
+        n_pages = -(-rows // page_size)
+        suffix_k, suffix_v = (gather_pages(p, suffix_pages[:, :n_pages], page_size).index(
+            (slice(None), slice(None), slice(0, rows))) for p in (suffix_k, suffix_v))
     return cascade_torch(q, prefix_k, prefix_v, suffix_k, suffix_v, suffix_lens, k_codec, v_codec,
                          sm_scale=sm_scale, k_innerq=k_innerq, window=window,
                          prefix_start=prefix_start, prefix_end=prefix_end)

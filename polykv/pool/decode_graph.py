@@ -7,8 +7,9 @@ static device inputs, and replayed: per step the host fills one pinned int64 [3,
 (tokens, write rows, positions), makes one host-to-device copy and one replay. Logits and the greedy
 choice are static outputs of the graph.
 
-A graph reads the suffix storage it was captured with: when the AgentCache reallocates storage
-(`storage_version` changes) every graph is dropped and recaptured on next use.
+A graph reads the page pools and the device page table it was captured with: a new page for an
+agent only changes table entries (refreshed in place before the replay); when the AgentCache
+reallocates a pool or the table (`storage_version` changes) every graph is dropped and recaptured.
 """
 
 from __future__ import annotations
@@ -64,18 +65,19 @@ class DecodeGraphs:
         cache = self.cache
         n = len(tokens)
         B = min((b for b in self._graphs if b >= n), default=bucket(n))
-        base = cache.lens[:n]
-        cache.ensure_rows(int(base.max()) + 1)
+        base = cache.lens[:n].clone()
         if B > cache.batch_capacity:
-            cache.reserve(B, cache.seq_capacity)
+            cache.reserve(B)
+        cache.ensure_rows(list(range(n)), (base + 1).tolist())
         if cache.storage_version != self._version:
             self._graphs.clear()
             self._version = cache.storage_version
+        cache.pages.device_table()  # refreshed in place before the replay reads it
         cap = self._graphs.get(B) or self._capture(B)
-        scratch = cache.store[0].scratch_row
+        scratch = cache.scratch_row()
         h = cap.host
         h[0, :n] = torch.as_tensor(tokens, dtype=torch.long)
-        h[1, :n] = torch.arange(n) * cache.seq_capacity + base
+        h[1, :n] = cache.pages.flat_rows(torch.arange(n), base[:, None], scratch)[:, 0]
         h[2, :n] = cache.doc_len + base
         self._fill_padding(h, n, scratch)
         cap.inp.copy_(h)
@@ -95,7 +97,7 @@ class DecodeGraphs:
     def _capture(self, B: int) -> _Captured:
         cache, dev = self.cache, self.cache.device
         host = torch.empty(3, B, dtype=torch.long, pin_memory=dev.type == "cuda")
-        self._fill_padding(host, 0, cache.store[0].scratch_row)  # warm-up writes go to scratch
+        self._fill_padding(host, 0, cache.scratch_row())  # warm-up writes go to scratch
         inp = host.to(dev)
         mask = dummy_mask(B, 1, dev)
         out: dict[str, torch.Tensor] = {}
@@ -104,7 +106,7 @@ class DecodeGraphs:
             ids, rows, pos = inp[0].view(B, 1), inp[1].view(B, 1), inp[2].view(B, 1)
             lens = (pos[:, 0] - cache.doc_len + 1).to(torch.int32)
             cache._group = Group(sel=slice(0, B), n_q=1, rows=rows, lens=lens,
-                                 seq=cache.seq_capacity)
+                                 seq=cache.pages.table.shape[1] * cache.pages.page_size)
             try:
                 res = self.model(input_ids=ids, position_ids=pos, attention_mask=mask,
                                  past_key_values=cache, use_cache=True, logits_to_keep=1)

@@ -76,7 +76,8 @@ class SharedKVPool:
         forward without a polykv cache).
     k, v: KV storage types (`polykv.codecs.CODEC_NAMES`), shared prefix and agent suffixes alike.
     device: where the compressed KV lives (default: the model's device).
-    budget_bytes: bound on resident shared-prefix bytes (None: unbounded).
+    budget_bytes: bound on resident bytes — shared prefixes plus the suffix pages of open batches
+        (None: unbounded); documents not in use are evicted (LRU) to stay under it.
     innerq: an `InnerQTable` or a path to one; used only when K is a turbo type.
     prefill_chunk: tokens per prefill forward. Default (None): 4096 where the flash split path of
         `pool/prefill.py` runs — KV on CUDA and a float16/bfloat16 model (the chunking of a plain
@@ -195,7 +196,8 @@ class SharedKVPool:
             return
         while True:
             resident = [d for d in self._docs.values() if d.resident]
-            total = storage_bytes([t for d in resident for t in d.tensors()])
+            agents = [t for bt in list(self._batches) if not bt._closed for t in bt.cache.tensors()]
+            total = storage_bytes([t for d in resident for t in d.tensors()] + agents)
             if total <= self.budget_bytes:
                 return
             victims = sorted((d for d in resident if d.refs == 0 and d.id != keep),
@@ -365,8 +367,8 @@ class SharedKVPool:
         peak = 0
         if not suffixes:
             return []
-        cap_seq = max(len(s) for s in suffixes) + max_new_tokens
-        with self.open_batch(doc, capacity=len(suffixes), seq_capacity=cap_seq) as batch:
+        with self.open_batch(doc, capacity=len(suffixes)) as batch:
+            batch.reserve([len(s) + max_new_tokens for s in suffixes])  # pages each agent needs
             aids = [batch.add(s) for s in suffixes]
             outs = {a: [] for a in aids}
             live = set(aids) if max_new_tokens > 0 else set()

@@ -7,7 +7,8 @@ import torch
 
 from polykv.codecs import CODEC_NAMES, Packed, get_codec
 from polykv.kernels import (attention_decode, attention_decode_ref, cascade_attention,
-                            cascade_attention_ref, dequantize, dequantize_ref, merge_attention,
+                            cascade_attention_ref, dequantize, dequantize_ref, gather_pages,
+                            merge_attention,
                             merge_attention_ref, quantize_into, quantize_ref, triton_available,
                             use_triton)
 
@@ -91,6 +92,29 @@ def test_cascade_matches_reference(kn, vn, D, group, lens):
     q = torch.randn(N, Hkv * group, n, D, dtype=torch.float16)
     out, lse = cascade_attention(q, pk, pv, sk, sv, sl, kc, vc)
     o2, l2 = cascade_attention_ref(q, pk, pv, sk, sv, sl, kc, vc)
+    assert rel(out, o2) <= 1e-2 and lse_ok(lse, l2)
+
+
+@pytest.mark.parametrize("kn,vn,D,page", [("q8_0", "turbo3", 128, 32), ("turbo4", "f16", 64, 64)])
+def test_cascade_paged_suffix_matches_dense(kn, vn, D, page):
+    """Suffixes read through a page table (shuffled pages, agents of different lengths, one agent
+    spanning three pages, one with none used) equal the same rows laid out densely."""
+    torch.manual_seed(page)
+    N, Hkv, group, P = 3, 2, 4, 41
+    kc, vc = get_codec(kn, D), get_codec(vn, D)
+    pk, pv = kc.encode(torch.randn(1, Hkv, P, D)), vc.encode(torch.randn(1, Hkv, P, D))
+    n_pages = 8
+    pool_k = kc.encode(torch.randn(1, Hkv, n_pages * page, D))
+    pool_v = vc.encode(torch.randn(1, Hkv, n_pages * page, D))
+    table = torch.tensor([[5, 2, 7], [0, 3, 3], [6, 1, 4]], dtype=torch.int32)
+    sl = torch.tensor([2 * page + 5, page - 1, 0], dtype=torch.int32)
+    q = torch.randn(N, Hkv * group, 1, D, dtype=torch.float16)
+    out, lse = cascade_attention(q, pk, pv, pool_k, pool_v, sl, kc, vc, suffix_pages=table,
+                                 page_size=page)
+    dk, dv = gather_pages(pool_k, table, page), gather_pages(pool_v, table, page)
+    assert dk.codes.shape == (N, Hkv, 3 * page, pool_k.codes.shape[-1])
+    assert torch.equal(dk.codes[0, :, page:2 * page], pool_k.codes[0, :, 2 * page:3 * page])
+    o2, l2 = cascade_attention_ref(q, pk, pv, dk, dv, sl, kc, vc)
     assert rel(out, o2) <= 1e-2 and lse_ok(lse, l2)
 
 

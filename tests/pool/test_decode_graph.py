@@ -91,3 +91,34 @@ def test_generate_greedy_unchanged_by_step_tokens(tiny):
         w = want[a]
         cut = next((i for i, t in enumerate(w) if t in eos), len(w))
         assert g == w[:cut]
+
+
+def test_paged_agents_cost_what_they_use_and_never_copy(tiny):
+    """Agents of very different lengths hold only the pages they need; growing inside the reserved
+    pages never reallocates the pools (same storage); a removed agent's pages are reused by the
+    next one; results equal a plain forward of doc + suffix."""
+    model, tok = tiny
+    pool = SharedKVPool(model, tok, k="f16", v="f16", prefill_chunk=16)
+    doc = pool.add_document(DOC)
+    with pool.open_batch(doc, capacity=3, seq_capacity=64) as b:
+        pages = b.cache.pages
+        assert pages.n_pages == 3
+        ptrs = [t.data_ptr() for t in b.cache.tensors()]
+        long_ids = list(range(3, 100))  # 97 tokens: 2 pages
+        a_long, a_short = b.add(long_ids), b.add([7, 8])
+        lg = b.step()
+        assert pages.counts[:2] == [2, 1] and pages.n_pages == 3
+        assert [t.data_ptr() for t in b.cache.tensors()] == ptrs  # no reallocation, no copy
+        with torch.no_grad():
+            ref = model(torch.tensor([DOC + long_ids])).logits[0, -1]
+        torch.testing.assert_close(lg[a_long], ref, rtol=1e-4, atol=1e-4)
+        b.remove(a_long)  # its 2 pages go back to the free list; a_short's row moves to slot 0
+        assert pages.counts[:2] == [1, 0] and pages.used_pages() == 1
+        a_new = b.add(list(range(10, 80)))  # 70 tokens: 2 pages, taken from the free list
+        lg = b.step()
+        assert pages.n_pages == 3 and pages.used_pages() == 3
+        with torch.no_grad():
+            ref = model(torch.tensor([DOC + list(range(10, 80))])).logits[0, -1]
+            ref_short = model(torch.tensor([DOC + [7, 8]])).logits[0, -1]
+        torch.testing.assert_close(lg[a_new], ref, rtol=1e-4, atol=1e-4)
+        torch.testing.assert_close(lg[a_short], ref_short, rtol=1e-4, atol=1e-4)

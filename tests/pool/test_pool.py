@@ -177,7 +177,12 @@ def test_memory_report_counts_live_agents(tiny):
         b.step()
         rep = pool.memory_report()
         assert rep["agents"] == 3 and rep["kv_bytes_agents"] == b.nbytes() > 0
-        assert rep["kv_bytes_agents"] < rep["kv_bytes_shared"]
+        # one page per agent (3 reserved up front), each page holding the same bytes per row as
+        # the document's rows; plus one scratch row per layer
+        pages = b.cache.pages
+        assert pages.used_pages() == pages.n_pages == 3
+        rows = 3 * pages.page_size + 1
+        assert rep["kv_bytes_agents"] == rep["kv_bytes_shared"] * rows // len(DOC)
     assert pool.memory_report()["kv_bytes_agents"] == 0
 
 
