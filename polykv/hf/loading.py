@@ -35,6 +35,7 @@ import os
 import shutil
 import tempfile
 import uuid
+import weakref
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -575,26 +576,58 @@ def _strip_volatile(obj):
     return obj
 
 
-def model_fingerprint(model) -> str:
-    """sha256 hex of the model's architecture config plus samples of a few weight tensors.
+_FINGERPRINTS: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()  # model -> (key, hex)
 
-    Stable across processes, devices and load paths of the same weights; changes with the weights'
-    values or dtype. Cheap (a strided sample of at most 64k values of ~6 tensors).
+
+def model_fingerprint(model) -> str:
+    """sha256 hex of the model's architecture config, a safetensors-style header of its state dict
+    (every name with dtype and shape; a tied name points at the name it shares storage with) and a
+    sha256 digest of the bytes of every distinct tensor — all of them, no sampling.
+
+    Stable across processes, devices and load paths of the same weights; changes with any value,
+    dtype, shape or name. Cost: one pass over the weights, hashed in threads (SmolLM2-135M on
+    two CPU cores: ~0.4 s). The result is cached per model object while no tensor of its state dict is
+    replaced, moved, re-typed or written in place through autograd's view of it (storage pointer and
+    version counter unchanged); a write through `param.data` is invisible to that counter.
     """
+    from concurrent.futures import ThreadPoolExecutor
+
+    state = model.state_dict(keep_vars=True)
+    names = sorted(state)
+    key = tuple((n, id(state[n]), state[n].data_ptr(), state[n]._version, state[n].dtype,
+                 tuple(state[n].shape), str(state[n].device)) for n in names)
+    hit = _FINGERPRINTS.get(model)
+    if hit is not None and hit[0] == key:
+        return hit[1]
+    header, distinct, first = {}, [], {}
+    for n in names:
+        t = state[n]
+        ident = (t.untyped_storage().data_ptr(), t.storage_offset(), tuple(t.shape), t.stride(), t.dtype)
+        if ident in first and t.numel():
+            header[n] = {"alias_of": first[ident]}
+            continue
+        first.setdefault(ident, n)
+        header[n] = {"dtype": str(t.dtype).removeprefix("torch."), "shape": list(t.shape)}
+        distinct.append(t)
+
+    def digest(t: torch.Tensor) -> str:
+        data = t.detach().to("cpu").contiguous().reshape(-1).view(torch.uint8).numpy()
+        return hashlib.sha256(data).hexdigest()  # releases the GIL: the threads hash in parallel
+
+    with ThreadPoolExecutor(max_workers=max(1, min(8, os.cpu_count() or 1))) as ex:
+        digests = list(ex.map(digest, distinct))
     h = hashlib.sha256()
     cfg = _strip_volatile(model.config.to_dict())
     h.update(json.dumps(cfg, sort_keys=True, default=str).encode())
-    params = sorted(model.named_parameters(), key=lambda kv: kv[0])  # tied weights appear once
-    n = len(params)
-    picks = sorted({0, n // 4, n // 2, (3 * n) // 4, n - 1} | {i for i, (k, _) in enumerate(params) if "embed_tokens" in k}) if n else []
-    for i in picks:
-        name, p = params[i]
-        flat = p.detach().reshape(-1)
-        step = max(1, flat.numel() // 65536)
-        sample = flat[::step][:65536].to("cpu").contiguous()
-        h.update(f"{name}|{tuple(p.shape)}|{p.dtype}|".encode())
-        h.update(sample.view(torch.uint8).numpy().tobytes())
-    return h.hexdigest()
+    h.update(json.dumps(header, sort_keys=True).encode())
+    for d in digests:
+        h.update(bytes.fromhex(d))
+    out = h.hexdigest()
+    try:
+        _FINGERPRINTS[model] = (key, out)
+    except TypeError:  # not weak-referenceable: no cache
+        pass
+    return out
 
 
 def tokenizer_fingerprint(tok) -> str:

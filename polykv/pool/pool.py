@@ -450,7 +450,9 @@ class SharedKVPool:
 
     # --- persistence -------------------------------------------------------------------------
     def save(self, path) -> None:
-        """Write the pool to directory `path`: pool.safetensors + manifest.json (see persist.py)."""
+        """Write the pool to store directory `path` as a new complete generation (pool.safetensors +
+        manifest.json, fsynced, renamed into place: an interrupted save leaves the previous one
+        loadable; see persist.py)."""
         from .persist import save_pool
 
         with self._lock:
@@ -458,7 +460,8 @@ class SharedKVPool:
 
     @classmethod
     def load(cls, path, model, tok, **kwargs) -> "SharedKVPool":
-        """Load a pool saved by `save`; raises PoolFormatError on any mismatch or corruption."""
+        """Load the newest complete save in `path`; raises PoolFormatError on any mismatch, corruption
+        or invalid manifest field (see persist.py)."""
         from .persist import load_pool
 
         return load_pool(cls, path, model, tok, **kwargs)

@@ -1,16 +1,15 @@
 """SharedKVPool on a tiny random Llama (fast, CPU): correctness vs the plain model, batching
-equivalence, lifecycle, persistence, threads."""
+equivalence, lifecycle, threads (persistence: test_persist.py)."""
 
-import json
 import threading
 
 import pytest
 import torch
 
 from polykv.cache import storage_bytes
-from polykv.pool import DocumentInUseError, PoolFormatError, SharedKVPool
+from polykv.pool import DocumentInUseError, SharedKVPool
 
-from .conftest import CharTok, tiny_llama
+from .conftest import CharTok
 
 DOC = list(range(3, 60)) + list(range(10, 40))  # 87 tokens
 
@@ -98,43 +97,6 @@ def test_batched_agents_equal_one_at_a_time(tiny):
                 ls.append(b.step()[a])
         tvs += [_tv(lb[s][aids[i]], ls[s]) for s in range(4)]
     assert max(tvs) < 1e-4, tvs
-
-
-def test_save_load_roundtrip_and_refusals(tiny, tmp_path):
-    model, tok = tiny
-    pool = SharedKVPool(model, tok, k="q8_0", v="turbo3", prefill_chunk=32)
-    doc = pool.add_document(DOC, name="d")
-    prompts = [[5, 6, 7], [8, 9]]
-    want = pool.generate(doc, prompts, max_new_tokens=5)
-    pool.save(tmp_path / "p")
-    loaded = SharedKVPool.load(tmp_path / "p", model, tok)
-    assert loaded.documents()[0]["tokens"] == len(DOC)
-    assert loaded.documents()[0]["bytes"] == pool.documents()[0]["bytes"]
-    assert loaded.generate(doc, prompts, max_new_tokens=5) == want
-
-    # a different model
-    with pytest.raises(PoolFormatError, match="different model"):
-        SharedKVPool.load(tmp_path / "p", tiny_llama(seed=1), tok)
-    # manifest edited
-    m = json.loads((tmp_path / "p" / "manifest.json").read_text())
-    m["tokenizer_fingerprint"] = "0" * 64
-    (tmp_path / "p" / "manifest.json").write_text(json.dumps(m))
-    with pytest.raises(PoolFormatError, match="tokenizer"):
-        SharedKVPool.load(tmp_path / "p", model, tok)
-    # truncated tensor file
-    pool.save(tmp_path / "q")
-    f = tmp_path / "q" / "pool.safetensors"
-    f.write_bytes(f.read_bytes()[:-100])
-    with pytest.raises(PoolFormatError, match="truncated"):
-        SharedKVPool.load(tmp_path / "q", model, tok)
-    # corrupted byte, same size
-    pool.save(tmp_path / "r")
-    f = tmp_path / "r" / "pool.safetensors"
-    b = bytearray(f.read_bytes())
-    b[-5] ^= 0xFF
-    f.write_bytes(bytes(b))
-    with pytest.raises(PoolFormatError, match="corrupted"):
-        SharedKVPool.load(tmp_path / "r", model, tok)
 
 
 def test_refcount_eviction_reprefill(tiny):
