@@ -38,14 +38,20 @@ class PageTable:
         self.n_pages = 0
         self.free_pages: list[int] = []
         self.table = torch.zeros(0, 0, dtype=torch.int32)
-        self.counts: list[int] = []  # pages held per slot
+        self.owned: list[list[int]] = []  # pages of each slot, in order (host lists: per-step
+        # bookkeeping of a decode step stays in plain Python, no tensor ops)
         self._device_table: torch.Tensor | None = None
         self._dirty = True
         self.version = 0
 
     @property
     def slots(self) -> int:
-        return len(self.counts)
+        return len(self.owned)
+
+    @property
+    def counts(self) -> list[int]:
+        """Pages held per slot."""
+        return [len(p) for p in self.owned]
 
     def pages_for(self, rows: int) -> int:
         return -(-int(rows) // self.page_size)
@@ -58,7 +64,7 @@ class PageTable:
         t = torch.zeros(s, m, dtype=torch.int32)
         t[: self.table.shape[0], : self.table.shape[1]] = self.table
         self.table = t
-        self.counts += [0] * (s - len(self.counts))
+        self.owned += [[] for _ in range(s - len(self.owned))]
         self._device_table = None
         self._dirty = True
         self.version += 1
@@ -73,7 +79,7 @@ class PageTable:
         """Give `slot` pages for `rows` rows; grows the pool (doubling) when no page is free —
         check `n_pages` afterwards and grow the layers' storage to it."""
         need = self.pages_for(rows)
-        have = self.counts[slot]
+        have = len(self.owned[slot])
         if need <= have:
             return
         if need > self.table.shape[1]:
@@ -82,23 +88,23 @@ class PageTable:
         if missing > 0:
             self.add_pages(max(missing, self.n_pages))
         for j in range(have, need):
-            self.table[slot, j] = self.free_pages.pop()
-        self.counts[slot] = need
+            page = self.free_pages.pop()
+            self.owned[slot].append(page)
+            self.table[slot, j] = page
         self._dirty = True
 
     def free(self, slot: int) -> None:
         """Return the pages of `slot` to the free list."""
-        n = self.counts[slot]
-        self.free_pages += self.table[slot, :n].tolist()
-        self.counts[slot] = 0
+        self.free_pages += self.owned[slot]
+        self.owned[slot] = []
 
     def move(self, src: int, dst: int) -> None:
         """Slot `src`'s pages become slot `dst`'s (dst's own pages are freed first): compaction
         without copying any row."""
         self.free(dst)
-        n = self.counts[src]
+        n = len(self.owned[src])
         self.table[dst, :n] = self.table[src, :n]
-        self.counts[dst], self.counts[src] = n, 0
+        self.owned[dst], self.owned[src] = self.owned[src], []
         self._dirty = True
 
     def flat_rows(self, slots: torch.Tensor, positions: torch.Tensor, scratch: int) -> torch.Tensor:
@@ -108,6 +114,10 @@ class PageTable:
         page = self.table[slots[:, None], p // self.page_size].long()
         rows = page * self.page_size + p % self.page_size
         return torch.where(positions < 0, torch.full_like(rows, scratch), rows)
+
+    def row(self, slot: int, position: int) -> int:
+        """Pool row of one (slot, position) (pages must be ensured); plain Python."""
+        return self.owned[slot][position // self.page_size] * self.page_size + position % self.page_size
 
     def device_table(self) -> torch.Tensor:
         """The table on the device, refreshed in place if the host table changed."""
@@ -120,7 +130,7 @@ class PageTable:
         return self._device_table
 
     def used_pages(self) -> int:
-        return sum(self.counts)
+        return sum(len(p) for p in self.owned)
 
 
 class PagedRows:

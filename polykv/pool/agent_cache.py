@@ -75,6 +75,7 @@ class AgentCache(Cache):
         self.store = [PagedRows(d.k_codec, d.v_codec, d.kv_heads, page_size, d.device, d.key_scales)
                       for d in doc_layers]
         self.lens = torch.zeros(0, dtype=torch.long)  # host: valid suffix rows per slot
+        self._nbytes: tuple[int, int] | None = None
         self.reserve(max(1, batch_capacity), seq_capacity)
         self._group: Group | None = None
 
@@ -105,18 +106,20 @@ class AgentCache(Cache):
         want = self.pages.used_pages() + sum(self.pages.pages_for(r) for r in rows)
         if want > self.pages.n_pages:
             self.pages.add_pages(want - self.pages.n_pages)
-        self._grow_storage()
+        self.grow_storage()
 
-    def _grow_storage(self) -> None:
-        for st in self.store:
-            st.grow(self.pages.n_pages)
+    def grow_storage(self) -> None:
+        """Grow every layer's page pool to the page table's page count (after `pages.ensure`)."""
+        if self.store[0].n_pages != self.pages.n_pages:
+            for st in self.store:
+                st.grow(self.pages.n_pages)
 
     def ensure_rows(self, slots: list[int], rows: list[int]) -> None:
         """Pages for rows[i] rows in slots[i] (a new page is taken from the free list; the pool
         grows only when none is free)."""
         for s, r in zip(slots, rows):
             self.pages.ensure(s, r)
-        self._grow_storage()
+        self.grow_storage()
 
     def move_slot(self, src: int, dst: int) -> None:
         """Agent slot `src` becomes slot `dst` (swap-remove compaction): its page-table row moves,
@@ -131,8 +134,11 @@ class AgentCache(Cache):
         self.lens[slot] = 0
 
     def nbytes(self) -> int:
-        """Measured bytes of all suffix storage (the page pools, free pages included)."""
-        return storage_bytes(self.tensors())
+        """Measured bytes of all suffix storage (the page pools, free pages included); measured
+        again only after storage changed."""
+        if self._nbytes is None or self._nbytes[0] != self.storage_version:
+            self._nbytes = (self.storage_version, storage_bytes(self.tensors()))
+        return self._nbytes[1]
 
     def tensors(self) -> list[torch.Tensor]:
         return [t for st in self.store for t in st.tensors()]
