@@ -47,13 +47,15 @@ class CompressedLayer:
     def capacity(self) -> int:
         return 0 if self.k is None else self.k.codes.shape[2]
 
-    def reserve(self, needed: int) -> None:
-        """Grow storage (by doubling) to hold at least `needed` rows; rows are kept."""
+    def reserve(self, needed: int, exact: bool = False) -> None:
+        """Grow storage to hold at least `needed` rows; rows are kept. The first allocation (a
+        prompt) and exact=True take `needed` rounded up to 64 rows, so held bytes track the payload;
+        later growth doubles (amortised copies)."""
         if needed <= self.capacity:
             return
-        cap = max(_MIN_CAPACITY, self.capacity)
-        while cap < needed:
-            cap *= 2
+        cap = -(-int(needed) // _MIN_CAPACITY) * _MIN_CAPACITY
+        if self.capacity and not exact:
+            cap = max(cap, 2 * self.capacity)
         lead = (self.batch, self.kv_heads, cap)
         k_new = self.k_codec.empty(lead, self.device)
         v_new = self.v_codec.empty(lead, self.device)

@@ -67,7 +67,7 @@ class DecodeGraph:
         self.mode = "captured" if capture else "static"
         for lay in cache.layers:
             lay.apply_pending_trim()
-            lay.store.reserve(self.limit)
+            lay.store.reserve(self.limit, exact=True)
         dev = cache.layers[0].store.device
         B = self.batch
         self.ids = torch.zeros(B, 1, dtype=torch.long, device=dev)
