@@ -15,15 +15,9 @@ import threading
 
 import torch
 
+from ..errors import BudgetExceededError, DocumentInUseError, UnknownDocumentError
+
 __all__ = ["DenseBatch", "DensePool", "DocumentInUseError", "UnknownDocumentError"]
-
-
-class UnknownDocumentError(KeyError):
-    pass
-
-
-class DocumentInUseError(RuntimeError):
-    pass
 
 
 def _cache_bytes(cache) -> int:
@@ -141,8 +135,9 @@ class DensePool:
         res = self.model(input_ids=x, past_key_values=cache, use_cache=True, logits_to_keep=1)
         nbytes = _cache_bytes(cache)
         if self.budget_bytes is not None and self._used() + nbytes > self.budget_bytes:
-            raise MemoryError(f"KV budget exceeded: need {nbytes} bytes, "
-                              f"{self.budget_bytes - self._used()} free of {self.budget_bytes}")
+            raise BudgetExceededError(f"KV budget exceeded: need {nbytes} bytes, "
+                                      f"{self.budget_bytes - self._used()} free of {self.budget_bytes}",
+                                      used=self._used() + nbytes, budget=self.budget_bytes)
         doc_id = f"doc-{next(self._n)}"
         self._docs[doc_id] = {"id": doc_id, "name": name or doc_id, "tokens": len(ids), "bytes": nbytes,
                               "cache": cache, "last": res.logits[0, -1].float().cpu()}
@@ -154,9 +149,9 @@ class DensePool:
 
     def remove_document(self, doc_id: str) -> None:
         if doc_id not in self._docs:
-            raise UnknownDocumentError(doc_id)
+            raise UnknownDocumentError(f"unknown document {doc_id!r}", doc_id)
         if any(len(b) for b in self._open[doc_id]):
-            raise DocumentInUseError(doc_id)
+            raise DocumentInUseError(f"document {doc_id!r} is in use")
         del self._docs[doc_id]
         del self._open[doc_id]
 
@@ -165,7 +160,7 @@ class DensePool:
 
     def open_batch(self, doc_id: str) -> DenseBatch:
         if doc_id not in self._docs:
-            raise UnknownDocumentError(doc_id)
+            raise UnknownDocumentError(f"unknown document {doc_id!r}", doc_id)
         d = self._docs[doc_id]
         batch = DenseBatch(self.model, d["cache"], d["tokens"], d["last"],
                            on_close=lambda b: self._open.get(doc_id, set()).discard(b))
@@ -176,5 +171,6 @@ class DensePool:
         shared = self._used()
         agents = {k: sum(len(b) for b in v) for k, v in self._open.items()}
         naive = sum(self._docs[k]["bytes"] * max(1, n) for k, n in agents.items())
-        return {"kv_bytes_shared": shared, "kv_bytes_naive_f16": naive,
+        private = sum(b.kv_bytes() for v in self._open.values() for b in v)
+        return {"kv_bytes_shared": shared, "kv_bytes_agents": private, "kv_bytes_naive_f16": naive,
                 "agents": sum(agents.values()), "documents": len(self._docs)}

@@ -15,6 +15,24 @@ prefill of newcomers interleaves with decode of the running ones instead of stal
 closed when empty; requests without a document go to a dense batch); then step every batch in turn,
 sample one token per agent with its own sampler, stream it, and retire agents that hit eos, a stop
 string or ``max_tokens``. Requests join and leave between steps.
+
+Failures stay with the request that caused them:
+
+* A batch whose ``step()`` raises is not stepped again (it may hold half-applied state: some agents'
+  inputs consumed, others not). Its agents move to a new batch of the same document, each re-added
+  with its whole history (prompt + tokens so far) and stepped alone: an agent whose input fails
+  fails alone, with its own error; the others go on (their next token comes from a recomputed
+  suffix). One step failure costs one forward per agent of that batch, once.
+* Sampling, detokenizing and stop checks run per agent: an error there fails that agent only.
+* Anything else that escapes an iteration of the loop is caught by a supervisor, which fails the
+  running requests (their batches cannot be trusted), keeps the waiting ones, and restarts the loop
+  (``Engine.restarts``; back-off when it keeps failing). The engine stops only on ``shutdown()``.
+
+Admission control: with a pool ``budget_bytes``, a request is refused with
+:class:`~polykv.errors.BudgetExceededError` when, after it is added to its batch, the measured KV
+bytes held (the pool's documents + live agent storage, ``memory_report()["kv_bytes_shared"] +
+["kv_bytes_agents"]``, + the dense plain batch) exceed the budget. Running agents are never cut:
+storage that grows during decoding can overshoot the budget until they finish.
 """
 
 from __future__ import annotations
@@ -26,13 +44,13 @@ import logging
 import queue
 import threading
 import time
-import warnings
 from collections import deque
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
 import torch
 
+from ..errors import BudgetExceededError, EngineClosedError, InvalidRequestError, QueueFullError, UnknownDocumentError
 from .dense import DenseBatch
 from .sampling import Sampler, SamplingParams, StopChecker
 
@@ -41,17 +59,7 @@ __all__ = ["Engine", "EngineClosedError", "Event", "GenerationRequest", "KVBudge
 
 log = logging.getLogger(__name__)
 
-
-class EngineClosedError(RuntimeError):
-    """The engine is shutting down or has stopped."""
-
-
-class QueueFullError(RuntimeError):
-    """Too many requests waiting; retry later."""
-
-
-class KVBudgetExceeded(MemoryError):
-    """Admitting this request (or adding this document) would exceed the pool's KV byte budget."""
+KVBudgetExceeded = BudgetExceededError  # the engine's older name
 
 
 @dataclass
@@ -108,14 +116,18 @@ class RequestHandle:
     def cancelled(self) -> bool:
         return self._cancel.is_set()
 
+    async def next_event(self) -> Event:
+        """The next event (async handles, i.e. submitted with a loop)."""
+        if self._aq is None:
+            raise RuntimeError("handle was created without an event loop; use iter_sync()")
+        return await self._aq.get()
+
     def __aiter__(self):
         return self._aiter()
 
     async def _aiter(self):
-        if self._aq is None:
-            raise RuntimeError("handle was created without an event loop; use iter_sync()")
         while True:
-            ev = await self._aq.get()
+            ev = await self.next_event()
             yield ev
             if ev.kind in ("done", "error"):
                 return
@@ -216,6 +228,8 @@ class Engine:
         self.tokens_generated = 0
         self.requests_finished = 0
         self.last_step_s = 0.0
+        self.step_failures = 0  # batch steps that raised (each followed by isolation)
+        self.restarts = 0  # loop iterations that failed and were restarted by the supervisor
 
     # ------------------------------------------------------------------------------------------
     # lifecycle
@@ -250,9 +264,13 @@ class Engine:
     # client API (any thread)
     # ------------------------------------------------------------------------------------------
     def submit(self, request: GenerationRequest, loop: asyncio.AbstractEventLoop | None = None) -> RequestHandle:
+        """Queue a request. Raises EngineClosedError, InvalidRequestError (bad parameters, an empty
+        prompt without a document) or QueueFullError; later errors arrive as an ``error`` event."""
         if self._stop.is_set() or self._thread is None:
             raise EngineClosedError("engine is not running")
         request.params.validate()
+        if not request.prompt_ids and request.document is None:
+            raise InvalidRequestError("a request without a document needs a non-empty prompt")
         if not request.request_id:
             request.request_id = f"req-{next(self._ids)}"
         if self._inbox.qsize() + len(self._waiting) >= self.max_waiting:
@@ -302,6 +320,31 @@ class Engine:
                          "age_s": round(now - st.handle.submitted_at, 3)})
         return rows
 
+    def kv_usage(self) -> tuple[int, int | None]:
+        """(measured KV bytes held, the pool's budget_bytes or None). Engine thread (``call``).
+
+        Held = the pool's resident documents + live agent storage (``memory_report()``'s
+        ``kv_bytes_shared + kv_bytes_agents``) + the dense batch of plain requests."""
+        budget = getattr(self.pool, "budget_bytes", None)
+        used = 0
+        report = getattr(self.pool, "memory_report", None)
+        if report is not None:
+            rep = report()
+            used += int(rep.get("kv_bytes_shared") or 0) + int(rep.get("kv_bytes_agents") or 0)
+        plain = self._batches.get(_PLAIN)
+        if plain is not None and hasattr(plain, "kv_bytes"):
+            used += int(plain.kv_bytes())
+        return used, (int(budget) if budget is not None else None)
+
+    def check_budget(self, what: str = "this request") -> None:
+        """Raise BudgetExceededError when the measured KV bytes held exceed the pool's budget."""
+        if getattr(self.pool, "budget_bytes", None) is None:
+            return
+        used, budget = self.kv_usage()
+        if budget is not None and used > budget:
+            raise BudgetExceededError(f"{what} would hold {used} bytes of KV memory; budget_bytes={budget} "
+                                      f"(documents + live agents)", used=used, budget=budget)
+
     # ------------------------------------------------------------------------------------------
     # engine thread
     # ------------------------------------------------------------------------------------------
@@ -316,26 +359,52 @@ class Engine:
                 self._doc_users.pop(doc, None)
 
     def _run(self) -> None:
+        """Supervisor: runs loop iterations until shutdown; an iteration that raises fails the
+        running requests and the loop goes on (see module doc)."""
         torch.set_grad_enabled(False)
         if self.num_threads:
             # process-wide intra-op threads; on an oversubscribed CPU fewer threads avoid OpenMP
             # spin-waiting (measured: 32-agent SmolLM2 decode step 0.37 s with 1 thread vs 1-8 s with 2)
             torch.set_num_threads(int(self.num_threads))
+        failures = 0  # consecutive failed iterations
         try:
             while not self._stop.is_set():
-                idle = not self._live and not self._waiting
-                self._process_inbox(block=idle)
-                if self._stop.is_set():
-                    break
-                self._reap_cancelled()
-                self._admit()
-                self._step_all()
-        except BaseException as exc:  # pragma: no cover - keep clients from hanging forever
-            log.exception("polykv engine loop crashed")
+                try:
+                    self._iteration()
+                    failures = 0
+                except Exception as exc:
+                    failures += 1
+                    self.restarts += 1
+                    log.exception("polykv engine loop failed (restart %d); failing its %d running request(s)",
+                                  self.restarts, len(self._live))
+                    self._reset_running(exc)
+                    if failures > 1:  # keeps failing without a request to blame: back off
+                        self._stop.wait(min(0.05 * 2 ** (failures - 2), 2.0))
+        except BaseException as exc:  # pragma: no cover - KeyboardInterrupt / SystemExit on this thread
+            log.exception("polykv engine loop stopped")
             self._fail_all(exc)
         finally:
             self._stop.set()
             self._drain_closed()
+
+    def _iteration(self) -> None:
+        idle = not self._live and not self._waiting
+        self._process_inbox(block=idle)
+        if self._stop.is_set():
+            return
+        self._reap_cancelled()
+        self._admit()
+        self._step_all()
+
+    def _reset_running(self, exc: BaseException) -> None:
+        """After a failed iteration: fail the running requests, close every batch (their state may be
+        half-updated). Waiting requests and queued calls stay."""
+        for st in list(self._live.values()):
+            self._live.pop((st.key, st.aid), None)
+            self._add_user(st.handle.request.document, -1)
+            st.handle._put(Event("error", error=exc))
+        for key in list(self._batches):
+            self._close_batch(self._batches.pop(key))
 
     def _process_inbox(self, block: bool) -> None:
         try:
@@ -372,6 +441,9 @@ class Engine:
             self.requests_finished += 1
         handle._put(ev)
 
+    def _fail(self, st: _Live, exc: BaseException) -> None:
+        self._finish(st, st.handle, Event("error", error=exc))
+
     def _reap_cancelled(self) -> None:
         if self._waiting:
             keep = deque()
@@ -386,13 +458,22 @@ class Engine:
                                               usage=_usage(st.handle, len(st.tokens))))
         self._close_empty()
 
+    def _close_batch(self, batch) -> None:
+        try:
+            batch.close()
+        except Exception:  # pragma: no cover
+            log.exception("closing batch failed")
+
     def _close_empty(self) -> None:
         for key in [k for k, b in self._batches.items() if len(b) == 0]:
-            batch = self._batches.pop(key)
-            try:
-                batch.close()
-            except Exception:  # pragma: no cover
-                log.exception("closing batch failed")
+            self._close_batch(self._batches.pop(key))
+
+    def _new_batch(self, key):
+        if key is _PLAIN:
+            return self._plain_factory()
+        if self.pool is None:
+            raise UnknownDocumentError(f"unknown document {key!r}: the engine has no pool", key)
+        return self.pool.open_batch(key)
 
     def _admit(self) -> None:
         n = 0
@@ -404,38 +485,25 @@ class Engine:
             h = self._waiting.popleft()
             budget -= len(req.prompt_ids)
             key = _PLAIN if req.document is None else req.document
+            aid = None
             try:
                 batch = self._batches.get(key)
                 if batch is None:
-                    if key is _PLAIN:
-                        batch = self._plain_factory()
-                    else:
-                        if self.pool is None:
-                            raise KeyError(req.document)
-                        batch = self._open_batch(req.document)
-                    self._batches[key] = batch
+                    batch = self._batches[key] = self._new_batch(key)
                 aid = batch.add(list(req.prompt_ids))
+                self.check_budget()
+                st = _Live(h, key, aid, set() if req.params.ignore_eos else self.eos_ids)
             except Exception as exc:
+                if aid is not None:
+                    try:
+                        self._batches[key].remove(aid)
+                    except Exception:  # pragma: no cover
+                        log.exception("removing refused agent %s failed", aid)
                 self._finish(None, h, Event("error", error=exc))
                 self._close_empty()
                 continue
-            self._live[(key, aid)] = _Live(h, key, aid, set() if req.params.ignore_eos else self.eos_ids)
+            self._live[(key, aid)] = st
             n += 1
-
-    def _open_batch(self, document):
-        """pool.open_batch, turning the pool's "over budget" warning (every other document in use,
-        nothing left to evict) into KVBudgetExceeded so the request is refused, not over-committed."""
-        with warnings.catch_warnings(record=True) as caught:
-            warnings.simplefilter("always")
-            batch = self.pool.open_batch(document)
-        over = [w for w in caught if "budget" in str(w.message).lower()]
-        for w in caught:
-            if w not in over:
-                warnings.warn_explicit(w.message, w.category, w.filename, w.lineno)
-        if over:
-            batch.close()
-            raise KVBudgetExceeded(str(over[0].message))
-        return batch
 
     def _step_all(self) -> None:
         for key in list(self._batches):
@@ -446,11 +514,13 @@ class Engine:
             try:
                 logits = batch.step()
             except Exception as exc:
-                log.exception("step of batch %r failed", key)
-                for st in [s for s in self._live.values() if s.key == key]:
-                    self._finish(st, st.handle, Event("error", error=exc))
-                self._close_empty()
-                continue
+                self.step_failures += 1
+                log.warning("step of batch %r failed (%s: %s); isolating the failing agent(s)",
+                            key, type(exc).__name__, exc)
+                logits = self._isolate(key, batch)
+                batch = self._batches.get(key)
+                if batch is None:
+                    continue
             dt = time.perf_counter() - t0
             self.steps += 1
             self.last_step_s = dt
@@ -458,7 +528,7 @@ class Engine:
                 try:
                     self.on_step(dt, len(logits))
                 except Exception:  # pragma: no cover
-                    pass
+                    log.exception("on_step callback failed")
             feed: dict = {}
             for aid, lg in logits.items():
                 st = self._live.get((key, aid))
@@ -468,12 +538,64 @@ class Engine:
                     self._finish(st, st.handle, Event("done", finish_reason="cancelled",
                                                       usage=_usage(st.handle, len(st.tokens))))
                     continue
-                tok = st.sampler(lg)
-                if self._advance(st, tok):
-                    feed[aid] = tok
-            if feed:
-                batch.feed(feed)
+                try:
+                    tok = st.sampler(lg)
+                    if self._advance(st, tok):
+                        feed[aid] = tok
+                except Exception as exc:  # this agent's sampling / detokenizing / stop check
+                    log.exception("request %s failed after a step", st.handle.request.request_id)
+                    self._fail(st, exc)
+            self._feed(key, batch, feed)
         self._close_empty()
+
+    def _feed(self, key, batch, feed: dict) -> None:
+        if not feed:
+            return
+        try:
+            batch.feed(feed)
+        except Exception:  # feed one by one: fail only the agents the batch refuses
+            for aid, tok in feed.items():
+                st = self._live.get((key, aid))
+                try:
+                    batch.feed({aid: tok})
+                except Exception as exc:
+                    log.exception("feeding agent %s failed", aid)
+                    if st is not None:
+                        self._fail(st, exc)
+
+    def _isolate(self, key, failed) -> dict:
+        """``failed.step()`` raised. Move its agents to a new batch one at a time, each re-added with
+        its history and stepped alone; fail those whose own step fails. Returns their logits."""
+        lives = [st for st in self._live.values() if st.key == key]
+        try:
+            batch = self._new_batch(key)  # before closing the failed one: the document stays held
+        except Exception as exc:
+            log.exception("cannot reopen a batch for %r; failing its %d request(s)", key, len(lives))
+            for st in lives:
+                self._live.pop((key, st.aid), None)
+                self._add_user(st.handle.request.document, -1)
+                st.handle._put(Event("error", error=exc))
+            self._close_batch(self._batches.pop(key))
+            return {}
+        for st in lives:
+            self._live.pop((key, st.aid), None)
+        self._batches[key] = batch
+        self._close_batch(failed)
+        out: dict = {}
+        for st in lives:
+            st.aid = None
+            try:
+                st.aid = batch.add(list(st.handle.request.prompt_ids) + st.tokens)
+                self._live[(key, st.aid)] = st
+                out[st.aid] = batch.step()[st.aid]  # only this agent has input pending
+            except Exception as exc:
+                log.warning("request %s fails on its own (%s: %s)", st.handle.request.request_id,
+                            type(exc).__name__, exc)
+                if st.aid is None:
+                    self._finish(None, st.handle, Event("error", error=exc))
+                else:
+                    self._fail(st, exc)
+        return out
 
     def _advance(self, st: _Live, tok: int) -> bool:
         """Record one sampled token; stream text; return True while the request goes on."""

@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from ..errors import InvalidRequestError
 from ..pool.sampling import sample_next
 
 __all__ = ["SamplingParams", "Sampler", "StopChecker", "sample_token"]
@@ -35,15 +36,15 @@ class SamplingParams:
 
     def validate(self) -> None:
         if not isinstance(self.max_tokens, int) or self.max_tokens <= 0:
-            raise ValueError("max_tokens must be a positive integer")
+            raise InvalidRequestError("max_tokens must be a positive integer")
         if not (self.temperature >= 0.0) or self.temperature != self.temperature:
-            raise ValueError("temperature must be >= 0")
+            raise InvalidRequestError("temperature must be >= 0")
         if not (0.0 < self.top_p <= 1.0):
-            raise ValueError("top_p must be in (0, 1]")
+            raise InvalidRequestError("top_p must be in (0, 1]")
         if self.top_k is not None and self.top_k < 0:
-            raise ValueError("top_k must be >= 0")
+            raise InvalidRequestError("top_k must be >= 0")
         if any(not isinstance(s, str) or not s for s in self.stop):
-            raise ValueError("stop strings must be non-empty strings")
+            raise InvalidRequestError("stop strings must be non-empty strings")
 
     @property
     def greedy(self) -> bool:
