@@ -48,13 +48,14 @@ class DecodeGraph:
     """Single-token decode steps over a prefilled `polykv.KVCache` (see module doc).
 
     max_new_tokens: steps this runner may take (storage for them is reserved up front).
-    All sequences of the batch have the same length (no left padding in the static step).
+    attention_mask: the prompt's 2D mask [B, prompt_len] (1 = token) of a left-padded batch; the
+    static step then reads each sequence from its first token on.
     Modes: "captured" (CUDA graph replay), "static" (the same static-input step run eagerly: CPU,
     or capture=False), "eager" (plain forward: models with sliding-window layers).
     """
 
     def __init__(self, model, cache, max_new_tokens: int, warmup: int = 2,
-                 capture: bool | None = None):
+                 capture: bool | None = None, attention_mask: torch.Tensor | None = None):
         if any(lay.store is None for lay in cache.layers):
             raise ValueError("DecodeGraph needs a prefilled KVCache (run the prompt through it first)")
         self.model, self.cache = model, cache
@@ -73,12 +74,17 @@ class DecodeGraph:
         self.ids = torch.zeros(B, 1, dtype=torch.long, device=dev)
         self.pos = torch.full((B, 1), cache.layers[0].store.length, dtype=torch.long, device=dev)
         mask = torch.ones(B, 1, 1, 1, dtype=torch.bool, device=dev)  # 4D: transformers passes it as-is
+        kv_start = None
+        if attention_mask is not None:  # first real token of each left-padded sequence
+            kv_start = attention_mask.to(dev).to(torch.int8).argmax(-1).to(torch.int32)
         self._out: dict[str, torch.Tensor] = {}
 
         def fwd():
-            cache._static = (self.pos, (self.pos[:, 0] + 1).to(torch.int32))
+            cache._static = (self.pos, (self.pos[:, 0] + 1).to(torch.int32), kv_start)
             try:
-                res = model(input_ids=self.ids, position_ids=self.pos, attention_mask=mask,
+                # RoPE positions count real tokens only (as transformers' generate does)
+                pos = self.pos if kv_start is None else self.pos - kv_start[:, None]
+                res = model(input_ids=self.ids, position_ids=pos, attention_mask=mask,
                             past_key_values=cache, use_cache=True, logits_to_keep=1)
             finally:
                 cache._static = None

@@ -68,6 +68,15 @@ def _fused_available(query: torch.Tensor) -> bool:
     return dispatch.use_triton(query)
 
 
+def left_padding(attention_mask: torch.Tensor | None) -> torch.Tensor | None:
+    """int32 [B]: index of each sequence's first attended key row, from transformers' 4D boolean
+    mask [B, 1, q_len, kv_len] (its last query row; left padding only), computed on the device
+    without a host sync. None when there is no mask (no padding)."""
+    if attention_mask is None:
+        return None
+    return attention_mask[:, 0, -1, :].to(torch.int8).argmax(-1).to(torch.int32)
+
+
 def model_layout(model_or_config) -> list[LayerLayout]:
     """Per-layer KV layout of a decoder-only transformers model (or its config).
 
@@ -339,10 +348,10 @@ class KVCache(Cache):
         self.keep_layers_q8 = keep
         self.innerq = table if (table is not None and any(lay.key_scales is not None for lay in layers)) else None
         self.rotated_attention = bool(rotated_attention)
-        # (write positions int64 [B, 1], lengths int32 [B]) on the device while a captured decode
-        # step (polykv.hf.graphs.DecodeGraph) runs: writes and lengths come from device tensors,
-        # host bookkeeping is left to the runner
-        self._static: tuple[torch.Tensor, torch.Tensor] | None = None
+        # (write positions int64 [B, 1], lengths int32 [B], left padding int32 [B] or None) on the
+        # device while a captured decode step (polykv.hf.graphs.DecodeGraph) runs: writes and
+        # lengths come from device tensors, host bookkeeping is left to the runner
+        self._static: tuple | None = None
         use_polykv_attention(model)
 
     # --- transformers API --------------------------------------------------------------------
@@ -367,8 +376,12 @@ class KVCache(Cache):
         store = layer.store
         if self._static is not None:
             return self._attend_static(layer, query, scaling)
-        if query.shape[0] == 1 and query.shape[2] <= FUSED_MAX_QUERIES and _fused_available(query):
-            return self._attend_fused(layer, query, scaling)
+        if query.shape[2] <= FUSED_MAX_QUERIES and _fused_available(query):
+            if query.shape[0] == 1:
+                return self._attend_fused(layer, query, scaling)
+            if not layer.is_sliding and (attention_mask is None or attention_mask.dtype == torch.bool):
+                # a batch: left padding from the mask's last query row, read in the kernel
+                return self._attend_fused(layer, query, scaling, left_padding(attention_mask))
         dtype = query.dtype
         k_rot = self.rotated_attention and layer.k_codec.rotated
         v_rot = self.rotated_attention and layer.v_codec.rotated
@@ -398,16 +411,19 @@ class KVCache(Cache):
         layer.apply_pending_trim()
         return out
 
-    def _attend_fused(self, layer: "PolyKVLayer", query: torch.Tensor, scaling) -> torch.Tensor:
+    def _attend_fused(self, layer: "PolyKVLayer", query: torch.Tensor, scaling,
+                      kv_start: torch.Tensor | None = None) -> torch.Tensor:
         """Fused decode path (DESIGN §4, Level B): the kernel reads the packed K/V of every stored
-        row, including this step's (written compressed by `update`), in-register. Batch 1 only: the
-        kernel's causal rule (query j at row length - n_q + j) has no left padding."""
+        row, including this step's (written compressed by `update`), in-register. Every sequence of
+        a batch has the same number of rows (query j at row length - n_q + j); kv_start int32 [B]
+        marks each one's left padding (rows before it are not keys)."""
         from ..kernels import dispatch
 
         store = layer.store
         out, _ = dispatch.attention_decode(
             query, store.keys(), store.values(), layer.k_codec, layer.v_codec, causal=True,
-            sm_scale=scaling, window=layer.sliding_window, k_innerq=layer.key_scales)
+            sm_scale=scaling, window=layer.sliding_window, k_innerq=layer.key_scales,
+            kv_start=kv_start)
         layer.apply_pending_trim()
         return out.transpose(1, 2)
 
@@ -419,7 +435,8 @@ class KVCache(Cache):
         store = layer.store
         out, _ = dispatch.attention_decode(
             query, store.k, store.v, layer.k_codec, layer.v_codec, kv_lens=self._static[1],
-            causal=True, sm_scale=scaling, window=None, k_innerq=layer.key_scales)
+            causal=True, sm_scale=scaling, window=None, k_innerq=layer.key_scales,
+            kv_start=self._static[2])
         return out.transpose(1, 2)
 
     # --- polykv extras -----------------------------------------------------------------------

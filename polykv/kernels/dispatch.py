@@ -117,12 +117,15 @@ def _finish(out: torch.Tensor, v_codec) -> torch.Tensor:
 def attention_decode(q: torch.Tensor, k: Packed, v: Packed, k_codec, v_codec, *,
                      kv_lens: torch.Tensor | None = None, causal: bool = True,
                      sm_scale: float | None = None, window: int | None = None,
-                     k_innerq: torch.Tensor | None = None, **tune):
+                     k_innerq: torch.Tensor | None = None, kv_start: torch.Tensor | None = None,
+                     **tune):
     """Attention of q [B, Hq, n_q, D] over packed K/V (leading [B, Hkv, S_cap]).
-    Returns out [B, Hq, n_q, D] (q.dtype) and lse float32 [B, Hq, n_q]. See reference.py."""
+    kv_start int [B]: rows before it are left padding (never keys). Returns out [B, Hq, n_q, D]
+    (q.dtype) and lse float32 [B, Hq, n_q]. See reference.py."""
     if not use_triton(q, k.codes, v.codes):
         return ref.attention_decode_ref(q, k, v, k_codec, v_codec, kv_lens=kv_lens, causal=causal,
-                                        sm_scale=sm_scale, window=window, k_innerq=k_innerq)
+                                        sm_scale=sm_scale, window=window, k_innerq=k_innerq,
+                                        kv_start=kv_start)
     dec = _k()[0]
     B, Hq, n_q, D = q.shape
     kc, vc = as_codec(k_codec, D), as_codec(v_codec, D)
@@ -134,7 +137,7 @@ def attention_decode(q: torch.Tensor, k: Packed, v: Packed, k_codec, v_codec, *,
             else kv_lens.to(device=q.device, dtype=torch.int32).contiguous())
     qp = _prep_q(q, kc, k_innerq, hkv)
     out, lse = dec.decode_prepared(qp, n_q, k, v, kc, vc, lens, causal=causal, window=window,
-                                   sm_scale=sm_scale, **tune)
+                                   sm_scale=sm_scale, kv_start=kv_start, **tune)
     out = _finish(out.reshape(B, Hq, n_q, D), vc).to(q.dtype)
     return out, lse.reshape(B, Hq, n_q)
 

@@ -10,6 +10,7 @@ Conventions
     causal   query j of sequence b sits at position kv_lens[b] - n_q + j and sees keys at positions
              <= it; causal=False: every valid key is visible (a shared prefix)
     window   W: additionally only keys at positions > qpos - W
+    kv_start int [B] (decode): rows before kv_start[b] are left padding, never keys
     k_innerq float32 [Hkv, D]: keys were stored as K * s, queries use q / s
     returns  out [B, Hq, n_q, D] in q.dtype, lse float32 [B, Hq, n_q] (natural log of
              sum exp(score * sm_scale)); a query that sees no key gets out 0 and lse -inf.
@@ -63,7 +64,8 @@ def _head_dim(p: Packed, codec) -> int:
 def attention_decode_ref(q: torch.Tensor, k: Packed, v: Packed, k_codec, v_codec, *,
                          kv_lens: torch.Tensor | None = None, causal: bool = True,
                          sm_scale: float | None = None, window: int | None = None,
-                         k_innerq: torch.Tensor | None = None):
+                         k_innerq: torch.Tensor | None = None,
+                         kv_start: torch.Tensor | None = None):
     B, Hq, n_q, D = q.shape
     k_codec = as_codec(k_codec, D)
     v_codec = as_codec(v_codec, D)
@@ -94,6 +96,8 @@ def attention_decode_ref(q: torch.Tensor, k: Packed, v: Packed, k_codec, v_codec
         visible = visible & (kpos[None, None, :] <= qpos[:, :, None])
     if window is not None:
         visible = visible & (kpos[None, None, :] > qpos[:, :, None] - int(window))
+    if kv_start is not None:  # left padding: rows before kv_start[b] are not keys
+        visible = visible & (kpos[None, None, :] >= kv_start.to(device=dev, dtype=torch.long)[:, None, None])
     scores = scores.masked_fill(~visible[:, None], float("-inf"))
     lse = torch.logsumexp(scores, dim=-1)  # -inf where nothing visible
     safe = torch.where(torch.isfinite(lse), lse, torch.zeros_like(lse))

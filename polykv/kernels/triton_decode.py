@@ -74,7 +74,7 @@ def _pv(acc, alpha, p, VC, VS, VCENT, v_off, vs_off, nmask, g: tl.constexpr,
 
 @triton.jit
 def _decode_kernel(
-        Q, KC, KS, VC, VS, KCENT, VCENT, KV_LENS, PT, O_PART, L_PART,
+        Q, KC, KS, VC, VS, KCENT, VCENT, KV_LENS, KV_START, PT, O_PART, L_PART,
         skb, skh, sks, sksb, sksh, skss,
         svb, svh, svs, svsb, svsh, svss,
         HKV, M_TOTAL, N_Q, SPLIT_LEN, N_SPLITS, qk_scale, WINDOW, PT_STRIDE,
@@ -83,7 +83,7 @@ def _decode_kernel(
         K_NPH: tl.constexpr, K_DEC: tl.constexpr,
         V_KIND: tl.constexpr, V_BITS: tl.constexpr, V_G: tl.constexpr, V_GW: tl.constexpr,
         V_NPH: tl.constexpr, V_DEC: tl.constexpr,
-        CAUSAL: tl.constexpr, HAS_WINDOW: tl.constexpr,
+        CAUSAL: tl.constexpr, HAS_WINDOW: tl.constexpr, HAS_START: tl.constexpr,
         KA0: tl.constexpr, KA1: tl.constexpr, KA2: tl.constexpr, KA3: tl.constexpr,
         KA4: tl.constexpr, KA5: tl.constexpr, KA6: tl.constexpr, KA7: tl.constexpr,
         VA0: tl.constexpr, VA1: tl.constexpr, VA2: tl.constexpr, VA3: tl.constexpr,
@@ -99,6 +99,9 @@ def _decode_kernel(
     kv_len = tl.load(KV_LENS + b)
     start = pid_s * SPLIT_LEN
     end = tl.minimum(start + SPLIT_LEN, kv_len)
+    if HAS_START:  # left padding: rows before kv_start are not keys of this sequence
+        kv_start = tl.load(KV_START + b)
+        start = tl.maximum(start, (kv_start // BLOCK_N) * BLOCK_N)
 
     rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     rmask = rows < M_TOTAL
@@ -152,6 +155,8 @@ def _decode_kernel(
             vis = vis & (offs_n[None, :] <= qpos[:, None])
         if HAS_WINDOW:
             vis = vis & (offs_n[None, :] > qpos[:, None] - WINDOW)
+        if HAS_START:
+            vis = vis & (offs_n[None, :] >= kv_start)
         s = tl.where(vis, s, float("-inf"))
         # ---- online softmax
         m_new = tl.maximum(m_i, tl.max(s, 1))
@@ -254,13 +259,15 @@ def decode_prepared(qp: torch.Tensor, n_q: int, k: Packed, v: Packed, k_codec, v
                     block_m_max: int = 64, target_programs: int | None = None,
                     num_warps: int | None = None, num_stages: int = 2, block_n: int | None = None,
                     dec: str = "auto", lut: str | None = None,
-                    page_table: torch.Tensor | None = None, page_size: int = 0):
+                    page_table: torch.Tensor | None = None, page_size: int = 0,
+                    kv_start: torch.Tensor | None = None):
     """qp: float32 [B, Hkv, M, D] contiguous, already in K's storage domain (rotated / InnerQ-
     divided), rows r = head_in_group * n_q + j. k, v: Packed leading [B or 1, Hkv, S_cap].
     dec: "asm" (PTX byte-permute lookup, CUDA only), "select" (plain Triton), "auto" (asm where it
     applies and builds). page_table int32 [B, max_pages] (with page_size): k, v are a page pool
     (leading [1, Hkv, rows]) and row n of sequence b lives at page_table[b, n // page_size] *
-    page_size + n % page_size. Returns out float32 [B, Hkv, M, D] in V's storage domain, lse
+    page_size + n % page_size. kv_start int32 [B]: rows before it are left padding, never keys.
+    Returns out float32 [B, Hkv, M, D] in V's storage domain, lse
     float32 [B, Hkv, M]."""
     B, Hkv, M, D = qp.shape
     dev = qp.device
@@ -310,7 +317,9 @@ def decode_prepared(qp: torch.Tensor, n_q: int, k: Packed, v: Packed, k_codec, v
 
     def launch(kd, vd, ka, va):
         _decode_kernel[grid](
-            qp, kc, ks, vc, vs, kcent, vcent, kv_lens, page_table, o_part, l_part,
+            qp, kc, ks, vc, vs, kcent, vcent, kv_lens,
+            kv_lens if kv_start is None else kv_start.to(device=dev, dtype=torch.int32),
+            page_table, o_part, l_part,
             *kcs, *kss, *vcs, *vss,
             Hkv, M, n_q, split_len, n_splits, sm_scale * LOG2E, int(window or 0), pt_stride,
             D=D, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, PAGE=int(page_size) if paged else 0,
@@ -318,7 +327,7 @@ def decode_prepared(qp: torch.Tensor, n_q: int, k: Packed, v: Packed, k_codec, v
             K_DEC=kd,
             V_KIND=vm["KIND"], V_BITS=vm["BITS"], V_G=vm["G"], V_GW=vm["GW"], V_NPH=vm["NPH"],
             V_DEC=vd,
-            CAUSAL=bool(causal), HAS_WINDOW=window is not None,
+            CAUSAL=bool(causal), HAS_WINDOW=window is not None, HAS_START=kv_start is not None,
             KA0=ka[0], KA1=ka[1], KA2=ka[2], KA3=ka[3], KA4=ka[4], KA5=ka[5], KA6=ka[6],
             KA7=ka[7], VA0=va[0], VA1=va[1], VA2=va[2], VA3=va[3], VA4=va[4], VA5=va[5],
             VA6=va[6], VA7=va[7], num_warps=num_warps, num_stages=num_stages)

@@ -118,6 +118,25 @@ def test_cascade_paged_suffix_matches_dense(kn, vn, D, page):
     assert rel(out, o2) <= 1e-2 and lse_ok(lse, l2)
 
 
+@pytest.mark.parametrize("kn,vn,n_q", [("q8_0", "turbo3", 1), ("turbo4", "q4_0", 3)])
+def test_decode_left_padding_equals_unpadded_sequences(kn, vn, n_q):
+    """kv_start: rows before it are left padding. Each padded sequence must give exactly what the
+    same sequence gives alone, without its padding rows (the reference on the sliced rows)."""
+    torch.manual_seed(n_q)
+    B, Hkv, g, S, D = 3, 2, 4, 150, 64
+    kc, vc = get_codec(kn, D), get_codec(vn, D)
+    k, v = kc.encode(torch.randn(B, Hkv, S, D)), vc.encode(torch.randn(B, Hkv, S, D))
+    q = torch.randn(B, Hkv * g, n_q, D, dtype=torch.float16)
+    start = torch.tensor([0, 37, 129], dtype=torch.int32)  # 129: inside the last row tile
+    out, lse = attention_decode(q, k, v, kc, vc, kv_start=start)
+    for b, s0 in enumerate(start.tolist()):
+        sl = (slice(b, b + 1), slice(None), slice(s0, S))
+        o2, l2 = attention_decode_ref(q[b:b + 1], k.index(sl), v.index(sl), kc, vc)
+        assert rel(out[b:b + 1], o2) <= 1e-2 and lse_ok(lse[b:b + 1], l2)
+    o3, l3 = attention_decode_ref(q, k, v, kc, vc, kv_start=start)  # the reference's own rule
+    assert rel(out, o3) <= 1e-2 and lse_ok(lse, l3)
+
+
 def test_merge_matches_reference():
     torch.manual_seed(0)
     oa, ob = torch.randn(2, 4, 3, 64), torch.randn(2, 4, 3, 64)
