@@ -266,12 +266,14 @@ def serve(
     store: Optional[str] = typer.Option(None, "--store", help="Directory where documents persist."),
     budget_bytes: Optional[int] = typer.Option(None, "--budget-bytes", help="KV memory budget."),
     torch_threads: Optional[int] = typer.Option(None, "--torch-threads", help="Engine intra-op threads."),
+    api_key: Optional[str] = typer.Option(None, "--api-key", envvar="POLYKV_API_KEY", show_envvar=True,
+                                          help="Require 'Authorization: Bearer KEY' on every route but /health."),
 ):
     """OpenAI-compatible HTTP server over shared compressed documents."""
     from .server import serve as _serve
 
     _serve(host=host, port=port, model=model, k=k, v=v, store=store, budget_bytes=budget_bytes,
-           torch_threads=torch_threads)
+           torch_threads=torch_threads, api_key=api_key)
 
 
 def main() -> None:

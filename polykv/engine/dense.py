@@ -170,7 +170,7 @@ class DensePool:
     def memory_report(self) -> dict:
         shared = self._used()
         agents = {k: sum(len(b) for b in v) for k, v in self._open.items()}
-        naive = sum(self._docs[k]["bytes"] * max(1, n) for k, n in agents.items())
+        naive = shared  # one dense copy per document, measured (the agents' own copies: kv_bytes_agents)
         private = sum(b.kv_bytes() for v in self._open.values() for b in v)
         return {"kv_bytes_shared": shared, "kv_bytes_agents": private, "kv_bytes_naive_f16": naive,
                 "agents": sum(agents.values()), "documents": len(self._docs)}

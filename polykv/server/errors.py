@@ -1,17 +1,35 @@
-"""OpenAI-shaped errors: {"error": {"message", "type", "param", "code"}}."""
+"""HTTP errors in OpenAI's shape: {"error": {"message", "type", "param", "code"}}.
+
+`ERROR_TABLE` is the one place where polykv's typed errors (`polykv/errors.py`) become HTTP statuses.
+Nothing is classified by message text or class name. Any other exception is a bug: the client gets a
+500 whose body says only "internal error" and the request id (no internal text), and the log gets the
+traceback under the same id (`X-Request-ID` header on every response).
+"""
 
 from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from typing import Callable
 
 from fastapi import Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-__all__ = ["APIError", "error_body", "install_error_handlers"]
+from ..errors import (BudgetExceededError, DocumentInUseError, EngineClosedError, InvalidRequestError, QueueFullError,
+                      UnknownDocumentError)
+
+__all__ = ["APIError", "ERROR_TABLE", "RETRY_AFTER_S", "TYPED", "error_body", "install_error_handlers", "internal_error",
+           "to_api_error"]
+
+log = logging.getLogger("polykv.server")
+
+RETRY_AFTER_S = 2  # Retry-After of every 429
 
 _TYPES = {
     400: "invalid_request_error",
-    401: "authentication_error",
+    401: "invalid_request_error",  # OpenAI: 401 {"type": "invalid_request_error", "code": "invalid_api_key"}
     404: "not_found_error",
     405: "invalid_request_error",
     409: "conflict_error",
@@ -35,13 +53,70 @@ class APIError(Exception):
         self.type = type or _TYPES.get(status, "invalid_request_error")
         self.headers = headers or {}
 
-    def response(self) -> JSONResponse:
-        return JSONResponse(error_body(self.message, self.type, self.param, self.code),
-                            status_code=self.status, headers=self.headers)
+    def body(self) -> dict:
+        return error_body(self.message, self.type, self.param, self.code)
+
+    def response(self, request_id: str | None = None) -> JSONResponse:
+        headers = dict(self.headers)
+        if request_id:
+            headers.setdefault("X-Request-ID", request_id)
+        return JSONResponse(self.body(), status_code=self.status, headers=headers)
 
 
 def error_body(message: str, type: str, param: str | None = None, code: str | None = None) -> dict:
     return {"error": {"message": message, "type": type, "param": param, "code": code}}
+
+
+@dataclass(frozen=True)
+class Rule:
+    status: int
+    code: str
+    message: Callable[[Exception], str] = str  # the client's text (typed errors carry our own words)
+    retry: bool = False  # send Retry-After
+
+
+ERROR_TABLE: dict[type[Exception], Rule] = {
+    UnknownDocumentError: Rule(404, "document_not_found",
+                               lambda e: f"Unknown document {getattr(e, 'document', None)!r}"),
+    DocumentInUseError: Rule(409, "document_in_use"),
+    BudgetExceededError: Rule(429, "kv_budget_exceeded", lambda e: f"KV memory budget exceeded: {e}", retry=True),
+    QueueFullError: Rule(429, "queue_full", lambda e: f"server busy: {e}", retry=True),
+    InvalidRequestError: Rule(400, "invalid_value"),
+    EngineClosedError: Rule(503, "shutting_down", lambda e: "server is shutting down"),
+}
+
+
+TYPED = tuple(ERROR_TABLE)  # `except TYPED` in a route: a typed error, mapped with the route's param
+
+
+def _rule(exc: BaseException) -> Rule | None:
+    for cls in type(exc).__mro__:  # the most specific class in the table wins
+        if cls in ERROR_TABLE:
+            return ERROR_TABLE[cls]
+    return None
+
+
+def internal_error(request_id: str | None, exc: BaseException | None = None) -> APIError:
+    """The generic 500: logs the traceback under the request id; no internal text to the client."""
+    if exc is not None:
+        log.error("internal error in request %s: %s: %s", request_id, type(exc).__name__, exc, exc_info=exc)
+    return APIError(500, f"Internal server error (request id {request_id}); the details are in the server log.",
+                    code="internal_error", headers={"X-Request-ID": request_id} if request_id else None)
+
+
+def to_api_error(exc: BaseException, request_id: str | None, param: str | None = None) -> APIError:
+    """APIError as is; a typed polykv error through ERROR_TABLE; anything else: `internal_error`."""
+    if isinstance(exc, APIError):
+        return exc
+    rule = _rule(exc)
+    if rule is None:
+        return internal_error(request_id, exc)
+    headers = {"Retry-After": str(RETRY_AFTER_S)} if rule.retry else None
+    return APIError(rule.status, rule.message(exc) or rule.code, param=param, code=rule.code, headers=headers)
+
+
+def request_id(request: Request) -> str | None:
+    return request.scope.get("state", {}).get("request_id")
 
 
 def _loc_param(loc) -> str | None:
@@ -52,7 +127,7 @@ def _loc_param(loc) -> str | None:
 def install_error_handlers(app) -> None:
     @app.exception_handler(APIError)
     async def _api_error(request: Request, exc: APIError):
-        return exc.response()
+        return exc.response(request_id(request))
 
     @app.exception_handler(RequestValidationError)
     async def _validation(request: Request, exc: RequestValidationError):
@@ -77,9 +152,9 @@ def install_error_handlers(app) -> None:
             msg = f"Method {request.method} is not allowed on {request.url.path}"
         return APIError(status, msg, headers=getattr(exc, "headers", None)).response()
 
-    @app.exception_handler(Exception)
-    async def _unexpected(request: Request, exc: Exception):  # pragma: no cover - must not happen
-        import logging
+    for cls in ERROR_TABLE:  # typed errors that reach the app unmapped (no param known)
+        app.add_exception_handler(cls, _typed)
 
-        logging.getLogger("polykv.server").exception("unexpected error")
-        return APIError(500, f"internal error: {type(exc).__name__}", code="internal_error").response()
+
+async def _typed(request: Request, exc: Exception):
+    return to_api_error(exc, request_id(request)).response(request_id(request))

@@ -29,9 +29,16 @@ class Metrics:
         Gauge("polykv_documents", "Shared documents held", registry=r).set_function(lambda: len(state.docs))
         Gauge("polykv_generated_tokens", "Tokens sampled by the engine since start",
               registry=r).set_function(lambda: eng.tokens_generated)
-        self.kv_bytes = Gauge("polykv_kv_bytes", "KV cache bytes (measured): shared = compressed "
-                              "document prefixes (one copy each), agents = private suffixes, naive = one f16 copy "
-                              "per document, naive_agents = one f16 copy per live agent", ["kind"], registry=r)
+        self.kv_bytes = Gauge("polykv_kv_bytes", "KV cache bytes, measured (storage bytes): shared = compressed "
+                              "document prefixes (one copy each), agents = private suffixes of live agents, "
+                              "naive = one real f16 cache per document, measured at prefill", ["kind"], registry=r)
+        self.kv_bytes_computed = Gauge("polykv_kv_bytes_computed", "KV cache bytes, computed (not measured): "
+                                       "naive_agents = each document's measured f16 bytes x its live agents",
+                                       ["kind"], registry=r)
+        Gauge("polykv_engine_step_failures", "Batch steps that raised (each followed by isolating the failing "
+              "agent)", registry=r).set_function(lambda: eng.step_failures)
+        Gauge("polykv_engine_restarts", "Engine loop iterations that failed and were restarted",
+              registry=r).set_function(lambda: eng.restarts)
 
     def install(self, app) -> None:
         owner = self
@@ -70,5 +77,5 @@ class Metrics:
             self.kv_bytes.labels("shared").set(mem.get("kv_bytes_shared") or 0)
             self.kv_bytes.labels("naive").set(mem.get("kv_bytes_naive_f16") or 0)
             self.kv_bytes.labels("agents").set(mem.get("kv_bytes_agents") or 0)
-            self.kv_bytes.labels("naive_agents").set(mem.get("kv_bytes_naive_f16_agents") or 0)
+            self.kv_bytes_computed.labels("naive_agents").set(mem.get("kv_bytes_naive_f16_agents") or 0)
             return Response(generate_latest(self.registry), media_type=CONTENT_TYPE_LATEST)

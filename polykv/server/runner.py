@@ -3,6 +3,7 @@ free loopback port, for tests and the benchmark)."""
 
 from __future__ import annotations
 
+import ipaddress
 import logging
 import os
 import socket
@@ -10,7 +11,7 @@ import threading
 import time
 from pathlib import Path
 
-__all__ = ["ServerThread", "build_pool", "free_port", "serve"]
+__all__ = ["ServerThread", "build_pool", "check_bind", "free_port", "serve"]
 
 log = logging.getLogger("polykv.server")
 
@@ -56,19 +57,40 @@ def _make_app(model=None, k="q8_0", v="turbo3", store=None, budget_bytes=None, *
     return create_app(pool, model_name=str(name), k=k, v=v, store=str(store) if store else None, **app_kw)
 
 
+def check_bind(host: str, api_key: str | None) -> bool:
+    """Warn (log) when `host` is reachable from other machines and no API key is set. True if it warned."""
+    try:
+        loopback = host == "localhost" or ipaddress.ip_address(host.strip("[]")).is_loopback
+    except ValueError:  # a host name other than localhost
+        loopback = False
+    if loopback or api_key:
+        return False
+    log.warning("polykv serve: binding %s without an API key: anyone who can reach this port can read every "
+                "document and run the model. Set --api-key or POLYKV_API_KEY, or bind 127.0.0.1.", host)
+    return True
+
+
 def serve(host: str = "127.0.0.1", port: int = 8000, model: str | None = None, k: str = "q8_0",
           v: str = "turbo3", store: str | None = None, budget_bytes: int | None = None,
-          log_level: str = "info", torch_threads: int | None = None) -> None:
+          log_level: str = "info", torch_threads: int | None = None, api_key: str | None = None,
+          max_body_bytes: int | None = None) -> None:
     """Load the model, build (or load from `store`) the pool and serve until interrupted.
 
     `torch_threads`: intra-op threads of the engine (None: torch's default).
+    `api_key`: Bearer key for every route but /health (None: $POLYKV_API_KEY, else open; binding a
+    non-loopback host without one logs a warning). `max_body_bytes`: larger bodies get 413.
     Ctrl-C / SIGTERM: uvicorn stops accepting, the app's lifespan ends and the engine thread is
     joined before this returns.
     """
     import uvicorn
 
+    api_key = api_key or os.environ.get("POLYKV_API_KEY") or None
+    check_bind(host, api_key)
+    app_kw = {"api_key": api_key}
+    if max_body_bytes is not None:
+        app_kw["max_body_bytes"] = max_body_bytes
     app = _make_app(model=model, k=k, v=v, store=store, budget_bytes=budget_bytes,
-                    engine_kwargs={"num_threads": torch_threads})
+                    engine_kwargs={"num_threads": torch_threads}, **app_kw)
     uvicorn.run(app, host=host, port=port, log_level=log_level, timeout_graceful_shutdown=5)
 
 
