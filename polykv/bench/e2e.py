@@ -339,6 +339,20 @@ def run_pool_decode(model, clock: Clock, *, agents, ctx: int, suffix_tokens: int
         _speedup(row, "ms_baseline", "speedup")
         rows.append(row)
         clock.free()
+    if compile:  # polykv again with the model's norms and MLPs compiled (opt-in mode), same doc
+        from polykv.hf.graphs import compiled_pointwise
+
+        with compiled_pointwise(model):
+            for row in rows:
+                n = row["agents"]
+                log(f"pool_decode: {n} agents, polykv with compiled_pointwise")
+                res: dict = {}
+                _guard(row, "polykv_compiled", lambda: res.update(
+                    _pool_polykv(clock, pool, doc, sfx[:n].tolist(), warmup, steps)), clock)
+                if res:
+                    row.update(ms_polykv_compiled=res["ms_polykv"], ms_polykv_compiled_gpu=res["ms_polykv_gpu"])
+                    _speedup(row, "ms_baseline", "speedup_compiled", "ms_polykv_compiled")
+                clock.free()
     del doc_cache, pool
     return rows
 
@@ -556,8 +570,8 @@ def _guard(row: Row, who: str, fn: Callable[[], None], clock: Clock) -> None:
         clock.free()
 
 
-def _speedup(row: Row, key: str, out: str) -> None:
-    a, b = row.get(key), row.get("ms_polykv")
+def _speedup(row: Row, key: str, out: str, polykv_key: str = "ms_polykv") -> None:
+    a, b = row.get(key), row.get(polykv_key)
     row[out] = (a / b) if (a and b) else None
 
 

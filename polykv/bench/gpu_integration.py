@@ -62,6 +62,38 @@ def decode_graph_logits(model, ids: torch.Tensor, k: str, v: str, steps: int, ca
 
 
 @torch.inference_mode()
+def padded_batch_rel(model, k: str, v: str, lengths=(700, 523, 611), steps: int = 4) -> float:
+    """A left-padded KVCache batch decoding on the fused kernel (kv_start from the mask) vs each
+    sequence decoded alone: max relative logit error over the steps."""
+    from polykv.hf import KVCache
+
+    g = torch.Generator().manual_seed(7)
+    seqs = [torch.randint(0, 32000, (n,), generator=g).cuda() for n in lengths]
+    L = max(lengths)
+    ids = torch.zeros(len(seqs), L, dtype=torch.long, device="cuda")
+    mask = torch.zeros_like(ids)
+    for i, s_ in enumerate(seqs):
+        ids[i, L - len(s_):], mask[i, L - len(s_):] = s_, 1
+    feed = torch.randint(0, 32000, (steps, len(seqs), 1), generator=g).cuda()
+    pos = (mask.cumsum(-1) - 1).clamp_min(0)
+    c = KVCache(model, k=k, v=v)
+    model(ids, attention_mask=mask, position_ids=pos, past_key_values=c, use_cache=True, logits_to_keep=1)
+    alone = []
+    for s_ in seqs:
+        ci = KVCache(model, k=k, v=v)
+        model(s_[None], past_key_values=ci, use_cache=True, logits_to_keep=1)
+        alone.append(ci)
+    worst, p = 0.0, pos[:, -1:]
+    for t in feed:
+        mask, p = torch.cat([mask, torch.ones_like(mask[:, :1])], 1), p + 1
+        got = model(t, attention_mask=mask, position_ids=p, past_key_values=c, use_cache=True).logits[:, -1]
+        for i, ci in enumerate(alone):
+            want = model(t[i:i + 1], past_key_values=ci, use_cache=True).logits[0, -1]
+            worst = max(worst, rel(got[i], want))
+    return worst
+
+
+@torch.inference_mode()
 def pool_logits(model, doc_ids: list[int], suffixes: list[list[int]], k: str, v: str, steps: int,
                 graphs: bool = True):
     """Agents over one shared document; fixed tokens fed each step. Returns (logits [steps, N, vocab],
@@ -138,6 +170,9 @@ def main() -> None:
         c = kvcache_logits(model, ids, k, v, 16)
         rows.append({"what": "DecodeGraph captured vs KVCache fused", "k": k, "v": v,
                      "rel_err": rel(a, c), "top1_agree": float((a.argmax(-1) == c.argmax(-1)).float().mean())})
+    for k, v in [("q8_0", "turbo3")]:
+        rows.append({"what": "KVCache left-padded batch vs alone", "k": k, "v": v,
+                     "rel_err": padded_batch_rel(model, k, v), "top1_agree": float("nan")})
     res["checks"] = rows
     # Decode step time of the whole (2-layer) model: 32 agents over a 16k-token shared document.
     doc = torch.randint(0, 32000, (16384,), generator=g).tolist()

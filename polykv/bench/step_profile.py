@@ -10,6 +10,7 @@ $OUT (or .).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import time
@@ -27,6 +28,8 @@ def main() -> None:
     ap.add_argument("--layers", type=int, default=4)
     ap.add_argument("--steps", type=int, default=5)
     ap.add_argument("--out", default=os.environ.get("OUT", "."))
+    ap.add_argument("--compile", action="store_true",
+                    help="also profile graphs after polykv.hf.graphs.compile_pointwise(model)")
     args = ap.parse_args()
     torch.backends.cuda.enable_cudnn_sdp(False)
     model = build_model(args.layers)
@@ -34,8 +37,12 @@ def main() -> None:
     pool = SharedKVPool(model, None, k="q8_0", v="turbo3", progress=False)
     doc = pool.add_document(torch.randint(0, 32000, (args.ctx,), generator=g).tolist())
     res = {}
-    for graphs in (False, True):
-        with torch.inference_mode(), pool.open_batch(doc, capacity=args.agents, seq_capacity=64 + 3 * args.steps + 8,
+    modes = [(False, False), (True, False)] + ([(True, True)] if args.compile else [])
+    for graphs, compiled in modes:
+        from polykv.hf.graphs import compiled_pointwise
+
+        with compiled_pointwise(model) if compiled else contextlib.nullcontext(), torch.inference_mode(), \
+                 pool.open_batch(doc, capacity=args.agents, seq_capacity=64 + 3 * args.steps + 8,
                                                      graphs=graphs) as b:
             aids = [b.add(torch.randint(0, 32000, (64,), generator=g).tolist()) for _ in range(args.agents)]
             toks = b.step_tokens()
@@ -56,7 +63,7 @@ def main() -> None:
         dev = sorted((e for e in ka if getattr(e, "device_time_total", 0) > 0),
                      key=lambda e: -e.device_time_total)
         tot_dev = sum(e.device_time_total for e in dev if e.device_type == torch.autograd.DeviceType.CUDA)
-        name = "graph" if graphs else "eager"
+        name = ("graph+compile" if compiled else "graph") if graphs else "eager"
         res[name] = {"ms_wall_median": sorted(walls)[len(walls) // 2],
                      "device_ms_per_step": tot_dev / 1e3 / args.steps,
                      "top": [{"name": e.key[:90], "ms_per_step": e.device_time_total / 1e3 / args.steps,

@@ -105,3 +105,21 @@ def test_left_padded_batch_decodes_on_the_fused_kernel(monkeypatch):
                     got = dg.step(t)
                 for i in range(len(seqs)):
                     torch.testing.assert_close(got[i].float(), alone[i][j].float(), rtol=2e-3, atol=2e-3)
+
+
+@pytest.mark.slow
+def test_compiled_pointwise_same_outputs_and_undone():
+    """compiled_pointwise compiles the norms and MLPs (inductor) inside the block — same logits —
+    and restores the eager modules on exit."""
+    from polykv.hf.graphs import compiled_pointwise
+
+    model = tiny_llama(layers=2)
+    x = torch.randint(3, 120, (2, 9))
+    with torch.no_grad():
+        ref = model(x).logits
+        with compiled_pointwise(model) as n:
+            assert n == 2 * 3 + 1  # 2 norms + 1 MLP per layer, the final norm
+            got = model(x).logits
+            assert any(m._compiled_call_impl is not None for m in model.modules())
+        torch.testing.assert_close(got, ref, rtol=1e-5, atol=1e-5)
+    assert all(m._compiled_call_impl is None for m in model.modules())
