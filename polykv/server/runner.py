@@ -23,8 +23,10 @@ def free_port(host: str = "127.0.0.1") -> int:
 
 
 def _store_has_pool(store: str | os.PathLike) -> bool:
-    p = Path(store)
-    return p.is_dir() and any(p.iterdir())
+    """A complete saved pool (the pool's own test: stray temp files of an interrupted save do not count)."""
+    from ..pool.persist import has_saved_pool
+
+    return Path(store).is_dir() and has_saved_pool(store)
 
 
 def build_pool(model, tok, *, k: str = "q8_0", v: str = "turbo3", store=None, budget_bytes=None, device=None):
