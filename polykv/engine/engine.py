@@ -584,6 +584,10 @@ class Engine:
         out: dict = {}
         for st in lives:
             st.aid = None
+            if st.handle.cancelled:  # gone anyway: no forward for it
+                self._finish(None, st.handle, Event("done", finish_reason="cancelled",
+                                                    usage=_usage(st.handle, len(st.tokens))))
+                continue
             try:
                 st.aid = batch.add(list(st.handle.request.prompt_ids) + st.tokens)
                 self._live[(key, st.aid)] = st
