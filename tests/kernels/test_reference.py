@@ -1,4 +1,5 @@
-"""reference.py vs plain dense softmax attention (cheap: every K x V pair)."""
+"""reference.py vs plain dense softmax attention over K/V decoded by the DESIGN §3 spec decoder of
+tests/codecs (cheap: every K x V pair)."""
 
 import itertools
 import math
@@ -9,6 +10,8 @@ import torch
 from polykv.codecs import CODEC_NAMES, get_codec
 from polykv.kernels import (attention_decode_ref, cascade_attention_ref, dequantize_ref,
                             merge_attention_ref, quantize_ref)
+
+from ..codecs.test_codecs import spec_decode
 
 
 def dense_attention(q, k, v, lens, causal, window=None, sm_scale=None):
@@ -49,7 +52,7 @@ def test_reference_equals_dense_all_pairs(kn, vn):
     q = torch.randn(B, Hkv * g, n, D)
     lens = torch.tensor([13, 7], dtype=torch.int32)
     out, lse = attention_decode_ref(q, k, v, kc, vc, kv_lens=lens)
-    o2, l2 = dense_attention(q, kc.decode(k), vc.decode(v), lens, True)
+    o2, l2 = dense_attention(q, spec_decode(k, kn, D), spec_decode(v, vn, D), lens, True)
     assert _close(out, o2) and _close(lse, l2)
 
 
@@ -66,8 +69,8 @@ def test_reference_gqa_window_innerq(group, window):
     q = torch.randn(B, Hkv * group, n, D)
     lens = torch.tensor([11, 5], dtype=torch.int32)
     out, lse = attention_decode_ref(q, k, v, kc, vc, kv_lens=lens, window=window, k_innerq=s)
-    kd = kc.decode(k) / s[None, :, None, :]  # true-space keys
-    o2, l2 = dense_attention(q, kd, vc.decode(v), lens, True, window)
+    kd = spec_decode(k, "turbo4", D) / s[None, :, None, :].double()  # true-space keys
+    o2, l2 = dense_attention(q, kd, spec_decode(v, "turbo3", D), lens, True, window)
     assert _close(out, o2) and _close(lse, l2)
 
 
@@ -80,9 +83,26 @@ def test_no_visible_key_and_merge_inf():
     assert torch.all(out == 0) and torch.isneginf(lse).all()
     o2, l2 = attention_decode_ref(q, k, k, kc, kc)
     m, ml = merge_attention_ref(out, lse, o2, l2)
-    assert torch.allclose(m, o2) and torch.allclose(ml, l2)
+    assert torch.equal(m, o2) and torch.equal(ml, l2)
     m, ml = merge_attention_ref(out, lse, out, lse)
     assert torch.all(m == 0) and torch.isneginf(ml).all()
+
+
+@pytest.mark.parametrize("split", [1, 6, 12])
+def test_merge_of_two_parts_equals_attention_over_both(split):
+    """LSE merge (natural log) of attention over keys [0, split) and [split, S) = dense attention over
+    all S keys (no causal mask: every query sees both parts)."""
+    torch.manual_seed(split)
+    B, H, n, S, D = 2, 2, 3, 13, 64
+    kc, vc = get_codec("q8_0", D), get_codec("turbo4", D)
+    k, v = kc.encode(torch.randn(B, H, S, D)), vc.encode(torch.randn(B, H, S, D))
+    q = torch.randn(B, H, n, D)
+    sl = [(slice(None), slice(None), slice(0, split)), (slice(None), slice(None), slice(split, S))]
+    parts = [attention_decode_ref(q, k.index(i), v.index(i), kc, vc, causal=False) for i in sl]
+    out, lse = merge_attention_ref(*parts[0], *parts[1])
+    o2, l2 = dense_attention(q, spec_decode(k, "q8_0", D), spec_decode(v, "turbo4", D),
+                             torch.full((B,), S), causal=False)
+    assert _close(out, o2) and _close(lse, l2)
 
 
 @pytest.mark.parametrize("kn,vn", [("q8_0", "turbo3"), ("turbo4", "turbo3"), ("f16", "q4_0"),
@@ -96,17 +116,36 @@ def test_cascade_reference_equals_concatenation(kn, vn):
     lens = torch.tensor([6, 0, 3], dtype=torch.int32)
     q = torch.randn(N, Hkv * g, n, D)
     out, lse = cascade_attention_ref(q, pk, pv, sk, sv, lens, kc, vc)
-    kd = torch.cat([kc.decode(pk).expand(N, -1, -1, -1), kc.decode(sk)], 2)
-    vd = torch.cat([vc.decode(pv).expand(N, -1, -1, -1), vc.decode(sv)], 2)
+    kd = torch.cat([spec_decode(pk, kn, D).expand(N, -1, -1, -1), spec_decode(sk, kn, D)], 2)
+    vd = torch.cat([spec_decode(pv, vn, D).expand(N, -1, -1, -1), spec_decode(sv, vn, D)], 2)
     o2, l2 = dense_attention(q, kd, vd, lens + P, True)
     assert _close(out, o2) and _close(lse, l2)
 
 
 @pytest.mark.parametrize("name", CODEC_NAMES)
 def test_quantize_dequantize_ref(name):
+    """dequantize_ref decodes the DESIGN §3 formats (spec decoder), in true space and, for turbo
+    types, in the storage domain (rotated=True; other types: the same values)."""
     c = get_codec(name, 128)
     x = torch.randn(2, 2, 3, 128)
     p = quantize_ref(x, c)
-    assert torch.equal(dequantize_ref(p, c, torch.float32), c.decode(p))
-    if c.rotated:
-        assert torch.equal(dequantize_ref(p, c, torch.float32, rotated=True), c.decode_rotated(p))
+    rotated_spec = spec_decode(p, name, 128, rotated=c.rotated)
+    torch.testing.assert_close(dequantize_ref(p, c, torch.float32).double(), spec_decode(p, name, 128),
+                               atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(dequantize_ref(p, c, torch.float32, rotated=True).double(), rotated_spec,
+                               atol=1e-5, rtol=1e-5)
+    assert dequantize_ref(p, c).dtype == torch.float16
+
+
+@pytest.mark.parametrize("name", ["turbo4", "q8_0"])
+def test_quantize_ref_innerq_scales_before_encoding(name):
+    """quantize_ref(x, innerq=s) stores x*s: decoded, it is x*s within the codec's error, and
+    dividing by s gives back x (DESIGN §3 InnerQ)."""
+    c = get_codec(name, 128)
+    x = torch.randn(2, 2, 50, 128)
+    s = torch.linspace(0.5, 2.0, 128).repeat(2, 1)
+    y = spec_decode(quantize_ref(x, c, innerq=s), name, 128)
+    xs = x.double() * s[None, :, None, :].double()
+    rel = float(((y - xs) ** 2).sum() / (xs ** 2).sum())
+    assert rel < {"turbo4": 0.012, "q8_0": 1e-4}[name]
+    assert float(((y - x.double()) ** 2).sum() / (x.double() ** 2).sum()) > 0.1  # the scaling is there
