@@ -1,12 +1,15 @@
-"""Pure-torch ground truth for every kernel in this package (DESIGN §4).
+"""Pure-torch ground truth for every kernel in this package (DESIGN §4); `cascade_attention_ref`
+is also the pool's CPU path (`polykv.pool.attention.cascade_attention` where no Triton kernel runs).
 
-Everything here decodes the packed K/V with the codec (float32, true space) and runs plain softmax
-attention; the Triton kernels must agree with these functions on the same packed data.
+Everything here decodes the packed K/V with the codec (float32, true space; the cascade reads turbo
+codecs in their storage domain, see Cascade) and runs plain softmax attention; the Triton kernels
+must agree with these functions on the same packed data.
 
 Conventions
     q        [B, Hq, n_q, D] true space (f16 / bf16 / f32)
     k, v     Packed with leading dims [B, Hkv, S_cap]
     kv_lens  int [B] valid lengths (default S_cap)
+    GQA      query head h reads KV head h // (Hq / Hkv) (repeat_interleave order)
     causal   query j of sequence b sits at position kv_lens[b] - n_q + j and sees keys at positions
              <= it; causal=False: every valid key is visible (a shared prefix)
     window   W: additionally only keys at positions > qpos - W
@@ -14,6 +17,26 @@ Conventions
     k_innerq float32 [Hkv, D]: keys were stored as K * s, queries use q / s
     returns  out [B, Hq, n_q, D] in q.dtype, lse float32 [B, Hq, n_q] (natural log of
              sum exp(score * sm_scale)); a query that sees no key gets out 0 and lse -inf.
+
+Cascade (`cascade_attention_ref`: N agents over one shared prefix, merged by LSE)
+    q            [N, Hq, n_q, D]; query j of agent n sits at suffix position
+                 suffix_lens[n] - n_q + j (positions < 0 are left padding, rows unspecified)
+    prefix_k/v   Packed leading [1, Hkv, P] (P = 0 legal), shared: decoded once per call into one
+                 [Hkv, P, D] workspace for all agents, never copied per agent; without a window
+                 every prefix row is visible to every query
+    suffix_k/v   Packed leading [N, Hkv, S_cap], dense (paged callers gather first:
+                 `dispatch.gather_pages`); suffix_lens int [N] (0 legal), causal within the suffix
+    window       W, for sliding-window layers, on absolute positions: prefix row i sits at
+                 prefix_start + i, suffix row j at prefix_end + j (prefix_end defaults to
+                 prefix_start + P; a sliding layer keeps only the last W-1 document rows); a query
+                 at absolute position a sees keys at positions in (a - W, a]
+    domain       a turbo codec is read in its storage domain: q / s rotated once, rows are
+                 centroid x norm (no inverse rotation per row), the merged output inverse-rotated
+                 once (the rotation is orthogonal: the true-space result up to float rounding)
+    memory       agents are taken in chunks so that one score block holds at most _SCORE_BUDGET
+                 float32 elements; each chunk's suffix rows are decoded with it
+    returns      as above: out [N, Hq, n_q, D] (q.dtype; merged in float32, cast once), lse
+                 float32 [N, Hq, n_q]; a query that sees no key gets out 0 and lse -inf
 """
 
 from __future__ import annotations
@@ -23,6 +46,8 @@ import math
 import torch
 
 from ..codecs import Codec, Packed, get_codec
+
+_SCORE_BUDGET = 1 << 23  # float32 elements of one cascade score block (32 MiB), whatever N is
 
 
 def as_codec(codec, head_dim: int) -> Codec:
@@ -98,12 +123,20 @@ def attention_decode_ref(q: torch.Tensor, k: Packed, v: Packed, k_codec, v_codec
         visible = visible & (kpos[None, None, :] > qpos[:, :, None] - int(window))
     if kv_start is not None:  # left padding: rows before kv_start[b] are not keys
         visible = visible & (kpos[None, None, :] >= kv_start.to(device=dev, dtype=torch.long)[:, None, None])
-    scores = scores.masked_fill(~visible[:, None], float("-inf"))
+    out, lse = _softmax_av(scores, visible[:, None], vd, "bhqk,bhkd->bhqd")
+    return out.to(q.dtype), lse.float()
+
+
+def _softmax_av(scores: torch.Tensor, visible: torch.Tensor | None, v: torch.Tensor,
+                eq: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """Masked softmax(scores) @ v (einsum `eq`) and the LSE; rows with no visible key: out 0,
+    lse -inf."""
+    if visible is not None:
+        scores = scores.masked_fill(~visible, float("-inf"))
     lse = torch.logsumexp(scores, dim=-1)  # -inf where nothing visible
     safe = torch.where(torch.isfinite(lse), lse, torch.zeros_like(lse))
     p = torch.exp(scores - safe[..., None])  # exp(-inf) = 0
-    out = torch.einsum("bhqk,bhkd->bhqd", p, vd)
-    return out.to(q.dtype), lse.float()
+    return torch.einsum(eq, p, v), lse
 
 
 def merge_attention_ref(out_a: torch.Tensor, lse_a: torch.Tensor, out_b: torch.Tensor,
@@ -123,13 +156,61 @@ def merge_attention_ref(out_a: torch.Tensor, lse_a: torch.Tensor, out_b: torch.T
 
 def cascade_attention_ref(q: torch.Tensor, prefix_k: Packed, prefix_v: Packed, suffix_k: Packed,
                           suffix_v: Packed, suffix_lens: torch.Tensor, k_codec, v_codec, *,
-                          sm_scale: float | None = None, k_innerq: torch.Tensor | None = None):
-    """q [N, Hq, n_q, D]; prefix Packed leading [1, Hkv, P] (shared, no mask); suffix Packed leading
-    [N, Hkv, S_cap] with suffix_lens [N] (0 allowed), causal. Merged by LSE."""
-    out_p, lse_p = attention_decode_ref(q, prefix_k, prefix_v, k_codec, v_codec, causal=False,
-                                        sm_scale=sm_scale, k_innerq=k_innerq)
-    out_s, lse_s = attention_decode_ref(q, suffix_k, suffix_v, k_codec, v_codec,
-                                        kv_lens=suffix_lens, causal=True, sm_scale=sm_scale,
-                                        k_innerq=k_innerq)
-    out, lse = merge_attention_ref(out_p.float(), lse_p, out_s.float(), lse_s)
-    return out.to(q.dtype), lse
+                          sm_scale: float | None = None, k_innerq: torch.Tensor | None = None,
+                          window: int | None = None, prefix_start: int = 0,
+                          prefix_end: int | None = None):
+    """Every agent's queries against the shared prefix and its own suffix, merged by LSE (see
+    Conventions: Cascade). Returns out [N, Hq, n_q, D] (q.dtype), lse float32 [N, Hq, n_q]."""
+    N, Hq, n_q, D = q.shape
+    kc, vc = as_codec(k_codec, D), as_codec(v_codec, D)
+    Hkv, P = prefix_k.shape[1], prefix_k.shape[2]
+    if prefix_k.shape[0] != 1:
+        raise ValueError(f"the prefix is shared: leading [1, Hkv, P], got {tuple(prefix_k.shape)}")
+    if Hq % Hkv:
+        raise ValueError(f"Hq={Hq} is not a multiple of Hkv={Hkv}")
+    S = suffix_k.shape[2] if suffix_k.shape[0] else 0
+    g = Hq // Hkv
+    scale = 1.0 / math.sqrt(D) if sm_scale is None else float(sm_scale)
+    dev = q.device
+    qf = _innerq_q(q.float(), k_innerq)
+    if kc.rotated:
+        qf = kc.rotate(qf)
+    qf = qf.reshape(N, Hkv, g * n_q, D) * scale  # rows of KV head h: its g query heads x n_q
+    lens = suffix_lens.to(device=dev, dtype=torch.long)
+    qpos = lens[:, None] - n_q + torch.arange(n_q, device=dev)[None, :]  # [N, n_q] suffix position
+    qpos = qpos[:, None, :].expand(N, g, n_q).reshape(N, 1, g * n_q, 1)
+    pend = prefix_start + P if prefix_end is None else int(prefix_end)
+
+    kp = dequantize_ref(prefix_k, kc, torch.float32, rotated=kc.rotated)[0] if P else None
+    vp = dequantize_ref(prefix_v, vc, torch.float32, rotated=vc.rotated)[0] if P else None
+    kabs_p = prefix_start + torch.arange(P, device=dev)
+    kidx_s = torch.arange(S, device=dev)
+    out = torch.empty(N, Hkv, g * n_q, D, dtype=torch.float32, device=dev)
+    lse = torch.empty(N, Hkv, g * n_q, dtype=torch.float32, device=dev)
+    step = max(1, _SCORE_BUDGET // max(1, Hq * n_q * max(P, S, 1)))
+    for a in range(0, N, step):
+        b = min(N, a + step)
+        qc, qr = qf[a:b], qpos[a:b]
+        if P:
+            vis = None
+            if window is not None:
+                qabs = pend + qr  # [n, 1, g*n_q, 1]
+                vis = (kabs_p > qabs - int(window)) & (kabs_p <= qabs)
+            o, l = _softmax_av(torch.einsum("nhqd,hkd->nhqk", qc, kp), vis, vp, "nhqk,hkd->nhqd")
+        else:
+            o = torch.zeros(b - a, Hkv, g * n_q, D, device=dev)
+            l = torch.full((b - a, Hkv, g * n_q), float("-inf"), device=dev)
+        if S:
+            rows = (slice(a, b),)
+            ks = dequantize_ref(suffix_k.index(rows), kc, torch.float32, rotated=kc.rotated)
+            vs = dequantize_ref(suffix_v.index(rows), vc, torch.float32, rotated=vc.rotated)
+            vis = (kidx_s < lens[a:b, None, None, None]) & (kidx_s <= qr)
+            if window is not None:
+                vis = vis & (kidx_s > qr - int(window))
+            o_s, l_s = _softmax_av(torch.einsum("nhqd,nhkd->nhqk", qc, ks), vis, vs,
+                                   "nhqk,nhkd->nhqd")
+            o, l = merge_attention_ref(o, l, o_s, l_s)
+        out[a:b], lse[a:b] = o, l
+    if vc.rotated:
+        out = vc.unrotate(out)
+    return out.reshape(N, Hq, n_q, D).to(q.dtype), lse.reshape(N, Hq, n_q)

@@ -1,76 +1,96 @@
-"""Cascade attention (shared prefix + per-agent suffix, merged by LSE) == attention over the
-concatenation, on the same compressed data."""
-
-import math
+"""The pool's cascade entry (`polykv.pool.attention.cascade_attention`) on CPU: paged suffixes (read
+through the page table, `suffix_rows` per agent), sliding windows and InnerQ, against an independent
+dense softmax over each agent's prefix + suffix; and it runs the one reference there."""
 
 import pytest
 import torch
 
 from polykv.codecs import get_codec
-from polykv.pool.attention import cascade_torch
+from polykv.kernels import reference
+from polykv.kernels.reference import quantize_ref
+from polykv.pool import attention
+from polykv.pool.attention import cascade_attention
+from tests.kernels.test_reference_cascade import dense_cascade
+
+PAGE = 4
 
 
-def _dense_reference(q, kp, vp, ks, vs, lens, scale, window=None, prefix_start=0, prefix_end=None):
-    N, Hq, n_q, D = q.shape
-    Hkv = kp.shape[1]
-    g = Hq // Hkv
-    P = kp.shape[2]
-    pend = prefix_start + P if prefix_end is None else prefix_end
-    out = torch.zeros(N, Hq, n_q, D)
-    for n in range(N):
-        L = int(lens[n])
-        k = torch.cat([kp[0], ks[n, :, :L]], 1).repeat_interleave(g, 0)  # [Hq, P+L, D]
-        v = torch.cat([vp[0], vs[n, :, :L]], 1).repeat_interleave(g, 0)
-        kabs = torch.cat([torch.arange(prefix_start, prefix_start + P), pend + torch.arange(L)])
+def paged_case(kn, vn, D, Hkv, g, n_q, P, lens, table, *, innerq=False, seed=0):
+    """Prefix [1, Hkv, P]; suffix rows of agent n: row j in pool row table[n][j // PAGE] * PAGE +
+    j % PAGE of a page pool [1, Hkv, 8 * PAGE]. Returns the packed inputs and the true-space dense
+    K/V the independent computation reads (each agent's rows laid out by hand)."""
+    torch.manual_seed(seed)
+    kc, vc = get_codec(kn, D), get_codec(vn, D)
+    s = torch.rand(Hkv, D) + 0.5 if innerq else None
+    pk = quantize_ref(torch.randn(1, Hkv, P, D), kc, s)
+    pv = vc.encode(torch.randn(1, Hkv, P, D))
+    rows = 8 * PAGE
+    pool_k = quantize_ref(torch.randn(1, Hkv, rows, D), kc, s)
+    pool_v = vc.encode(torch.randn(1, Hkv, rows, D))
+    unscale = 1 if s is None else s[:, None, :]
+    dk, dv = kc.decode(pool_k)[0] / unscale, vc.decode(pool_v)[0]  # [Hkv, rows, D]
+    S = max(lens)
+    ks, vs = torch.zeros(len(lens), Hkv, S, D), torch.zeros(len(lens), Hkv, S, D)
+    for n, L in enumerate(lens):
+        for j in range(L):
+            r = table[n][j // PAGE] * PAGE + j % PAGE
+            ks[n, :, j], vs[n, :, j] = dk[:, r], dv[:, r]
+    dense = (kc.decode(pk) / (1 if s is None else s[None, :, None, :]), vc.decode(pv), ks, vs)
+    q = torch.randn(len(lens), Hkv * g, n_q, D)
+    sl = torch.tensor(lens, dtype=torch.int32)
+    return q, (pk, pv, pool_k, pool_v), dense, sl, torch.tensor(table, dtype=torch.int32), kc, vc, s
+
+
+@pytest.mark.parametrize("kn,vn,D,g,n_q,P,lens,table,win,innerq", [
+    # full layer; agents of 0, 1, 5 and 9 rows over shuffled pages (suffix_rows 9 < 3 pages)
+    ("q8_0", "turbo3", 64, 3, 1, 37, [0, 1, 5, 9],
+     [[0, 0, 0], [6, 0, 0], [2, 5, 0], [7, 1, 3]], None, False),
+    ("turbo4", "q4_0", 128, 2, 3, 23, [3, 9, 6], [[4, 0, 0], [1, 6, 2], [3, 7, 0]], None, True),
+    # Gemma-style sliding layer: the last W-1 = 7 rows of a 20-token document sit at 13..19
+    ("turbo4", "turbo3", 64, 4, 1, 7, [1, 6, 11], [[5, 0, 0], [2, 0, 0], [0, 3, 6]], (8, 13, 20),
+     True),
+    ("f16", "turbo2", 64, 2, 2, 3, [2, 10, 5], [[1, 0, 0], [0, 4, 7], [6, 2, 0]], (4, 9, 12),
+     False),
+])
+def test_pool_cascade_equals_dense(kn, vn, D, g, n_q, P, lens, table, win, innerq):
+    Hkv = 2
+    q, (pk, pv, pool_k, pool_v), dense, sl, tab, kc, vc, s = paged_case(
+        kn, vn, D, Hkv, g, n_q, P, lens, table, innerq=innerq, seed=P)
+    kw = {} if win is None else dict(window=win[0], prefix_start=win[1], prefix_end=win[2])
+    out, lse = cascade_attention(q, pk, pv, pool_k, pool_v, sl, kc, vc, k_innerq=s,
+                                 suffix_pages=tab, page_size=PAGE, suffix_rows=max(lens), **kw)
+    o2, l2 = dense_cascade(q, *dense, sl, **kw)
+    assert out.shape == q.shape and lse.shape == q.shape[:3]
+    for n, L in enumerate(lens):
         for j in range(n_q):
-            qa = pend + L - n_q + j
-            vis = kabs <= qa
-            if window is not None:
-                vis &= kabs > qa - window
-            if not vis.any():
-                continue
-            s = torch.einsum("hd,hkd->hk", q[n, :, j], k[:, vis]) * scale
-            out[n, :, j] = torch.einsum("hk,hkd->hd", torch.softmax(s, -1), v[:, vis])
-    return out
+            if L - n_q + j >= -1:  # earlier positions are left padding
+                torch.testing.assert_close(out[n, :, j].double(), o2[n, :, j], atol=2e-5,
+                                           rtol=2e-5)
+                torch.testing.assert_close(lse[n, :, j].double(), l2[n, :, j], atol=2e-5,
+                                           rtol=2e-5)
 
 
-@pytest.mark.parametrize("k,v", [("q8_0", "turbo3"), ("turbo4", "q4_0"), ("f16", "turbo2")])
-@pytest.mark.parametrize("n_q", [1, 3])
-def test_cascade_equals_concatenation(k, v, n_q):
-    torch.manual_seed(0)
-    D, Hkv, Hq, P, N, S = 64, 2, 6, 37, 4, 9
-    kc, vc = get_codec(k, D), get_codec(v, D)
-    pk, pv = kc.encode(torch.randn(1, Hkv, P, D)), vc.encode(torch.randn(1, Hkv, P, D))
-    sk, sv = kc.encode(torch.randn(N, Hkv, S, D)), vc.encode(torch.randn(N, Hkv, S, D))
-    lens = torch.tensor([0, n_q, 5, S]) if n_q > 1 else torch.tensor([0, 1, 5, S])
-    q = torch.randn(N, Hq, n_q, D)
-    out, lse = cascade_torch(q, pk, pv, sk, sv, lens, kc, vc)
-    ref = _dense_reference(q, kc.decode(pk), vc.decode(pv), kc.decode(sk), vc.decode(sv), lens,
-                           1 / math.sqrt(D))
-    # agent 0 has an empty suffix: its last query (suffix position -1) sees exactly the prefix.
-    # Queries at positions < -1 are left padding (undefined by the contract) and not compared.
-    for n in range(N):
-        for j in range(n_q):
-            if lens[n] - n_q + j >= -1:
-                torch.testing.assert_close(out[n, :, j], ref[n, :, j], atol=2e-4, rtol=2e-4)
-    assert lse.shape == (N, Hq, n_q) and torch.isfinite(lse).all()
+@pytest.mark.parametrize("win", [None, (8, 13, 20)])
+def test_pool_cascade_on_cpu_is_the_reference(monkeypatch, win):
+    """On CPU (full and sliding layers) the pool calls reference.cascade_attention_ref, bit for bit,
+    with the agents' rows gathered densely."""
+    q, (pk, pv, pool_k, pool_v), _, sl, tab, kc, vc, s = paged_case(
+        "turbo4", "turbo3", 64, 2, 2, 1, 7, [1, 6, 11], [[5, 0, 0], [2, 0, 0], [0, 3, 6]],
+        innerq=True)
+    kw = {} if win is None else dict(window=win[0], prefix_start=win[1], prefix_end=win[2])
+    calls = []
 
+    def spy(*a, **k):
+        calls.append(k)
+        return reference.cascade_attention_ref(*a, **k)
 
-def test_cascade_innerq_and_window():
-    torch.manual_seed(1)
-    D, Hkv, Hq, P, N, S, W = 64, 1, 4, 7, 3, 12, 8
-    kc, vc = get_codec("turbo4", D), get_codec("turbo3", D)
-    s = torch.rand(Hkv, D) + 0.5
-    kraw = torch.randn(1, Hkv, P, D)
-    ksraw = torch.randn(N, Hkv, S, D)
-    pk = kc.encode(kraw * s[None, :, None])
-    sk = kc.encode(ksraw * s[None, :, None])
-    pv, sv = vc.encode(torch.randn(1, Hkv, P, D)), vc.encode(torch.randn(N, Hkv, S, D))
-    lens = torch.tensor([1, 6, 12])
-    q = torch.randn(N, Hq, 1, D)
-    # a sliding layer keeps only the last W-1 rows of a 20-token document: rows at positions 13..19
-    out, _ = cascade_torch(q, pk, pv, sk, sv, lens, kc, vc, k_innerq=s, window=W, prefix_start=13,
-                           prefix_end=20)
-    ref = _dense_reference(q, kc.decode(pk) / s, vc.decode(pv), kc.decode(sk) / s, vc.decode(sv),
-                           lens, 1 / math.sqrt(D), window=W, prefix_start=13, prefix_end=20)
-    torch.testing.assert_close(out, ref, atol=2e-4, rtol=2e-4)
+    monkeypatch.setattr(attention, "cascade_attention_ref", spy)
+    out, lse = cascade_attention(q, pk, pv, pool_k, pool_v, sl, kc, vc, k_innerq=s,
+                                 suffix_pages=tab, page_size=PAGE, suffix_rows=11, **kw)
+    assert len(calls) == 1 and calls[0].get("window") == kw.get("window")
+    from polykv.kernels.dispatch import gather_pages
+
+    sk, sv = (gather_pages(p, tab, PAGE).index((slice(None), slice(None), slice(0, 11)))
+              for p in (pool_k, pool_v))
+    o2, l2 = reference.cascade_attention_ref(q, pk, pv, sk, sv, sl, kc, vc, k_innerq=s, **kw)
+    assert torch.equal(out, o2) and torch.equal(lse, l2)
