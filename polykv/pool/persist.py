@@ -18,7 +18,8 @@ Save (`save_pool`)
     3. older generations, temp directories of dead processes and version-1 files are removed.
     A crash before 2 leaves the previous generation as the pool, after it the new one: a reader sees
     either the old or the new complete pool, never a mix. A failing save removes its temp directory
-    and re-raises.
+    and re-raises; a manifest that loading would refuse (e.g. a document name that is not a string)
+    fails the save with PoolFormatError before anything is published.
 
 pool.safetensors (header metadata {"format": "polykv-pool", "version": "2"}); exactly these tensors:
     doc.<i>.ids                      int64 [tokens]  token ids (always; evicted documents keep only these)
@@ -233,6 +234,7 @@ def save_pool(pool, path) -> None:
                         files={TENSORS: dict(bytes=(tmp / TENSORS).stat().st_size,
                                              sha256=_file_sha256(tmp / TENSORS))})
         manifest["manifest_sha256"] = manifest_sha256(manifest)
+        _validate_manifest(manifest, tmp / MANIFEST, pool.layout)  # never publish what load refuses
         _write_manifest(tmp / MANIFEST, manifest)
         _fsync_dir(tmp)
         g = (generations(root) or [0])[-1] + 1

@@ -630,6 +630,18 @@ def test_save_interrupted_leaves_previous_save(store, template, model_tok, monke
     assert {d["name"] for d in load(store, model_tok).documents()} == {"d", None, "new"}
 
 
+def test_save_refuses_what_load_would_refuse(store, model_tok):
+    """A document name that is not a string would make an unloadable manifest: the save fails with
+    PoolFormatError and the previous save stays the pool."""
+    pool = load(store, model_tok)
+    before = pool.documents()
+    pool.add_document(list(range(3, 30)), name=5)
+    with pytest.raises(PoolFormatError, match=r"documents\[2\].name"):
+        pool.save(store)
+    assert [p.name for p in store.iterdir()] == ["pool-00000001"]
+    assert load(store, model_tok).documents() == before
+
+
 def test_failed_cleanup_after_rename_keeps_the_new_save(store, model_tok, monkeypatch):
     pool = load(store, model_tok)
     pool.add_document(list(range(3, 30)), name="new")
