@@ -512,7 +512,7 @@ class Engine:
                 continue
             t0 = time.perf_counter()
             try:
-                logits = batch.step()
+                logits = self._step_batch(key, batch)
             except Exception as exc:
                 self.step_failures += 1
                 log.warning("step of batch %r failed (%s: %s); isolating the failing agent(s)",
@@ -539,7 +539,7 @@ class Engine:
                                                       usage=_usage(st.handle, len(st.tokens))))
                     continue
                 try:
-                    tok = st.sampler(lg)
+                    tok = lg if isinstance(lg, int) else st.sampler(lg)
                     if self._advance(st, tok):
                         feed[aid] = tok
                 except Exception as exc:  # this agent's sampling / detokenizing / stop check
@@ -547,6 +547,16 @@ class Engine:
                     self._fail(st, exc)
             self._feed(key, batch, feed)
         self._close_empty()
+
+    def _step_batch(self, key, batch) -> dict:
+        """One step of a batch: {aid: logits} — or {aid: token id} when every live agent of the
+        batch decodes greedily and the batch chooses tokens on its device (`AgentBatch.step_tokens`:
+        argmax where the logits are, one copy of the ids instead of every agent's logits)."""
+        step_tokens = getattr(batch, "step_tokens", None)
+        if step_tokens is not None and all(st.sampler.params.greedy for st in self._live.values()
+                                           if st.key == key):
+            return step_tokens()
+        return batch.step()
 
     def _feed(self, key, batch, feed: dict) -> None:
         if not feed:

@@ -20,6 +20,8 @@ class FaultyBatch:
         self.poison = poison
         self.fail_steps = fail_steps
         self.pending: dict[int, list[int]] = {}
+        if hasattr(inner, "step_tokens"):  # the engine's greedy path: the same faults apply
+            self.step_tokens = lambda *a, **k: self._faulty(lambda: inner.step_tokens(*a, **k))
 
     def add(self, ids) -> int:
         aid = self.inner.add(ids)
@@ -36,8 +38,11 @@ class FaultyBatch:
         self.pending.pop(aid, None)
 
     def step(self):
+        return self._faulty(self.inner.step)
+
+    def _faulty(self, run):
         bad = [aid for aid, ids in self.pending.items() if self.poison in ids]
-        out = self.inner.step()  # the real work first: the failure comes after state changed
+        out = run()  # the real work first: the failure comes after state changed
         if bad:
             raise InjectedFault(f"injected fault: input of agent(s) {bad} holds token {self.poison}")
         if self.fail_steps > 0:

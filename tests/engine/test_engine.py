@@ -174,3 +174,33 @@ def test_two_documents_batched_separately(setup):
         assert eng.call(lambda: dict(eng._batches)).result(10) == {}
     assert res[0] == res[2] and res[1] == res[3]  # same doc + prompt + greedy: same answer
     assert set(by_doc) <= {doc, doc2}
+
+
+def test_greedy_document_batches_choose_tokens_on_the_device(setup, monkeypatch):
+    """A document batch whose live agents all decode greedily steps with AgentBatch.step_tokens
+    (ids chosen where the logits are, no logits copied to the host); one sampling agent in the batch
+    sends it back to step() + per-request samplers. Greedy answers equal pool.generate's."""
+    from polykv.pool.agents import AgentBatch
+
+    model, tok, pool, doc = setup
+    calls = {"step": 0, "step_tokens": 0}
+    for name in calls:
+        orig = getattr(AgentBatch, name)
+
+        def spy(self, *a, _orig=orig, _name=name, **k):
+            calls[_name] += 1
+            return _orig(self, *a, **k)
+
+        monkeypatch.setattr(AgentBatch, name, spy)
+    prompt = tok("What jumps", add_special_tokens=False)["input_ids"]
+    with Engine(pool) as eng:
+        greedy = eng.submit(GenerationRequest(prompt, SamplingParams(max_tokens=6, temperature=0, ignore_eos=True),
+                                              document=doc)).result_sync(timeout=60)[0]
+    assert calls["step_tokens"] >= 6 and calls["step"] == 0
+    want = pool.generate(doc, [prompt], max_new_tokens=6)[0]
+    assert greedy.strip() == want
+    calls.update(step=0, step_tokens=0)
+    with Engine(pool) as eng:
+        eng.submit(GenerationRequest(prompt, SamplingParams(max_tokens=4, temperature=0.9, seed=1, ignore_eos=True),
+                                     document=doc)).result_sync(timeout=60)
+    assert calls["step"] >= 4 and calls["step_tokens"] == 0
