@@ -122,3 +122,23 @@ def test_paged_agents_cost_what_they_use_and_never_copy(tiny):
             ref_short = model(torch.tensor([DOC + [7, 8]])).logits[0, -1]
         torch.testing.assert_close(lg[a_new], ref, rtol=1e-4, atol=1e-4)
         torch.testing.assert_close(lg[a_short], ref_short, rtol=1e-4, atol=1e-4)
+
+
+def test_budget_counts_agent_pages(tiny):
+    """budget_bytes covers the agents' suffix pages too: opening a batch whose pages push the total
+    over the budget evicts the unreferenced document (LRU), never the one in use."""
+    model, tok = tiny
+    pool = SharedKVPool(model, tok, k="q8_0", v="turbo3", prefill_chunk=16)
+    a = pool.add_document(DOC)
+    b = pool.add_document(list(range(60, 100)))
+    docs = {d["id"]: d["bytes"] for d in pool.documents()}
+    pool.budget_bytes = docs[a] + docs[b] + 1000  # both documents fit, with little room to spare
+    with pool.open_batch(a, capacity=2, seq_capacity=16) as small:  # 2 pages: still fits? no eviction
+        assert small.nbytes() > 0
+        fits = docs[a] + docs[b] + small.nbytes() <= pool.budget_bytes
+        assert {d["id"]: d["resident"] for d in pool.documents()} == {a: True, b: fits}
+    pool.add_document(list(range(60, 100)))  # re-prefill b if it was evicted
+    with pool.open_batch(a, capacity=8, seq_capacity=256) as big:  # 32 pages: over the budget
+        assert docs[a] + docs[b] + big.nbytes() > pool.budget_bytes
+        resident = {d["id"]: d["resident"] for d in pool.documents()}
+        assert resident == {a: True, b: False}  # b evicted for a's agents; a (in use) kept
