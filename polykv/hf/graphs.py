@@ -29,7 +29,9 @@ def capture_graph(fn: Callable[[], None], mempool=None, warmup: int = 2) -> torc
             fn()
     torch.cuda.current_stream().wait_stream(side)
     graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph, pool=mempool), torch.no_grad():
+    # thread_local: CUDA work of other threads (another batch of the same pool) during the capture
+    # is not an error; only this thread's stream is captured
+    with torch.cuda.graph(graph, pool=mempool, capture_error_mode="thread_local"), torch.no_grad():
         fn()
     return graph
 
