@@ -307,7 +307,8 @@ class PolyKVLayer(CacheLayerMixin):
 class KVCache(Cache):
     """A transformers Cache holding every layer's K/V compressed (DESIGN §1, §3).
 
-    k, v:            KV types (polykv.codecs.CODEC_NAMES), e.g. k="q8_0", v="turbo3".
+    k, v:            KV types (polykv.codecs.CODEC_NAMES), e.g. k="q8_0", v="turbo3"; they override
+                     `preset` ("default" = K q8_0 / V turbo3, "balanced", "max": polykv.presets).
     innerq:          None | "auto" | path | InnerQTable — key channel scales, used only for turbo K.
     device:          where the compressed storage lives (default: where the K/V come from).
     keep_layers_q8:  the first n and the last n layers store K and V as q8_0.
@@ -317,9 +318,12 @@ class KVCache(Cache):
     Constructing a KVCache switches `model` to the "polykv" attention implementation.
     """
 
-    def __init__(self, model, k: str = "q8_0", v: str = "turbo3", innerq=None, device=None,
+    def __init__(self, model, k: str | None = None, v: str | None = None, innerq=None, device=None,
                  keep_layers_q8: int = 0, rotated_attention: bool = True,
-                 overrides: dict[int, tuple[str, str]] | None = None):
+                 overrides: dict[int, tuple[str, str]] | None = None, preset: str | None = None):
+        from ..presets import resolve
+
+        k, v, innerq = resolve(preset, k, v, innerq)
         check_codec_name(k)
         check_codec_name(v)
         layout = model_layout(model)

@@ -74,11 +74,13 @@ class SharedKVPool:
     model, tok: a transformers causal LM and its tokenizer (`polykv.load_model()`); the model's
         attention is switched to the "polykv" implementation (which falls back to SDPA for any
         forward without a polykv cache).
-    k, v: KV storage types (`polykv.codecs.CODEC_NAMES`), shared prefix and agent suffixes alike.
+    k, v: KV storage types (`polykv.codecs.CODEC_NAMES`), shared prefix and agent suffixes alike;
+        they override `preset` ("default" = K q8_0 / V turbo3, "balanced", "max": polykv.presets).
     device: where the compressed KV lives (default: the model's device).
     budget_bytes: bound on resident bytes — shared prefixes plus the suffix pages of open batches
         (None: unbounded); documents not in use are evicted (LRU) to stay under it.
-    innerq: an `InnerQTable` or a path to one; used only when K is a turbo type.
+    innerq: an `InnerQTable`, a path to one, or "auto" (the model's calibrated table, if any); used
+        only when K is a turbo type.
     prefill_chunk: tokens per prefill forward. Default (None): 4096 where the flash split path of
         `pool/prefill.py` runs — KV on CUDA and a float16/bfloat16 model (the chunking of a plain
         chunked transformers prefill) — else 512: the CPU path's historical size (CPU outputs stay
@@ -86,11 +88,14 @@ class SharedKVPool:
         scores grow with the chunk.
     """
 
-    def __init__(self, model, tok, k: str = "q8_0", v: str = "turbo3", device=None,
+    def __init__(self, model, tok, k: str | None = None, v: str | None = None, device=None,
                  budget_bytes: int | None = None, innerq=None, prefill_chunk: int | None = None,
-                 progress: bool | None = None):
+                 progress: bool | None = None, preset: str | None = None):
         from ..hf.attention import use_polykv_attention
         from ..hf.loading import kv_layout
+        from ..presets import resolve
+
+        k, v, innerq = resolve(preset, k, v, innerq)
 
         self.model, self.tok = model, tok
         self.k_type, self.v_type = check_codec_name(k), check_codec_name(v)
@@ -103,6 +108,11 @@ class SharedKVPool:
         self.progress = progress
         self.layout = kv_layout(model)
         self._windows = [s.sliding_window for s in self.layout]
+        if innerq == "auto":  # the table calibrated for this model, when there is one
+            from ..hf.kv_cache import innerq_path
+
+            path = innerq_path(model)
+            innerq = path if path.exists() else None
         if innerq is not None and not isinstance(innerq, InnerQTable):
             innerq = InnerQTable.load(innerq)
         self.innerq = innerq if (innerq is not None and self.k_type.startswith("turbo")) else None

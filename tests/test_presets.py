@@ -1,0 +1,53 @@
+"""Presets (DESIGN §5): names resolve to K/V types, k=/v= override, and the measured bytes of each
+preset meet issue K's byte gates against an f16 cache (quality gates: `polykv eval tiers`)."""
+
+import pytest
+import torch
+
+import polykv
+from polykv.presets import PRESETS, resolve
+
+from .pool.conftest import CharTok
+
+
+def _model(head_dim=64):
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    cfg = LlamaConfig(vocab_size=128, hidden_size=128, intermediate_size=128, num_hidden_layers=2,
+                      num_attention_heads=4, num_key_value_heads=2, head_dim=head_dim,
+                      max_position_embeddings=1024)
+    return LlamaForCausalLM(cfg).eval()
+
+
+def test_resolve_and_overrides():
+    assert resolve(None, None, None) == ("q8_0", "turbo3", None)
+    assert resolve("max", None, None) == ("turbo3", "turbo2", "auto")
+    assert resolve("balanced", "q8_0", None, None) == ("q8_0", "turbo3", "auto")
+    with pytest.raises(ValueError, match="unknown preset"):
+        resolve("fast", None, None)
+
+
+@pytest.mark.parametrize("name,gate", [("default", 2.7), ("balanced", 3.5), ("max", 5.0)])
+def test_preset_bytes_vs_f16(name, gate):
+    """Held bytes after a 256-token prompt (exact allocation), measured from the tensors."""
+    model = _model()
+    ids = torch.randint(3, 120, (1, 256))
+    caches = {}
+    with torch.no_grad():
+        for key, kw in (("f16", dict(k="f16", v="f16")), (name, dict(preset=name))):
+            caches[key] = polykv.KVCache(model, **kw)
+            model(ids, past_key_values=caches[key], use_cache=True)
+    p = PRESETS[name]
+    assert (caches[name].k_type, caches[name].v_type) == (p.k, p.v)
+    ratio = caches["f16"].nbytes() / caches[name].nbytes()
+    assert ratio >= gate, (name, ratio)
+
+
+def test_pool_preset_and_override():
+    model = _model()
+    pool = polykv.SharedKVPool(model, CharTok(), preset="max", progress=False)
+    assert (pool.k_type, pool.v_type) == ("turbo3", "turbo2")
+    assert pool.innerq is None  # "auto" and no calibrated table for this random model
+    pool = polykv.SharedKVPool(model, CharTok(), preset="balanced", v="q8_0", progress=False)
+    assert (pool.k_type, pool.v_type) == ("turbo4", "q8_0")
