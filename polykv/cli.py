@@ -237,19 +237,33 @@ def bench_e2e_cmd(
 @bench_app.command("serve")
 def bench_serve_cmd(
     clients: int = typer.Option(32, "--clients"),
-    requests: int = typer.Option(8, "--requests", help="Requests per client."),
+    requests: int = typer.Option(8, "--requests", help="Good (streaming chat) requests per client."),
     max_tokens: int = typer.Option(16, "--max-tokens"),
     model: Optional[str] = typer.Option(None, "--model"),
     torch_threads: Optional[int] = typer.Option(None, "--torch-threads", help="Engine intra-op threads "
                                                 "(1 is fastest on a small shared CPU)."),
     time_limit: float = typer.Option(900.0, "--time-limit", help="Stop the load after this many seconds."),
+    malformed: float = typer.Option(0.0, "--malformed", help="Malformed requests (bad JSON, wrong types, unknown "
+                                    "document, out-of-range values), as a fraction of the good ones, added on "
+                                    "top; each must get a 4xx."),
+    over_budget: float = typer.Option(0.0, "--over-budget", help="Document adds over the server's KV budget, as "
+                                      "a fraction of the good requests, added on top; each must get 429 + "
+                                      "Retry-After (the server then runs with a budget that fits the good load)."),
+    seed: int = typer.Option(0, "--seed", help="Seed of the shuffle of the request classes."),
+    out: Optional[str] = typer.Option(None, "--out", help="Also write the JSON result to this file."),
     json_out: bool = typer.Option(False, "--json"),
 ):
-    """Bounded loopback load: N concurrent clients x M requests over one shared document."""
+    """Bounded loopback load: N concurrent streaming clients x M requests over one shared document,
+    optionally with malformed and over-budget requests mixed in (counted per class)."""
     from .bench.serve import bench_serve
 
     result = bench_serve(n_clients=clients, requests_per_client=requests, max_tokens=max_tokens, model=model,
-                         torch_threads=torch_threads, time_limit_s=time_limit)
+                         torch_threads=torch_threads, time_limit_s=time_limit, malformed=malformed,
+                         over_budget=over_budget, seed=seed)
+    if out:
+        with open(out, "w", encoding="utf-8") as f:
+            json.dump(result, f, indent=2)
+            f.write("\n")
     if json_out:
         emit(result)
     else:

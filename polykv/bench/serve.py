@@ -1,25 +1,49 @@
 """Bounded loopback load generator for the HTTP server.
 
     from polykv.bench.serve import bench_serve
-    bench_serve(n_clients=32, requests_per_client=8, max_tokens=16)
+    bench_serve(n_clients=32, requests_per_client=100, max_tokens=8, malformed=0.05, over_budget=0.05)
 
 Starts its own server (in-process uvicorn in a thread on a free 127.0.0.1 port) over one shared
-document, runs `n_clients` concurrent clients that each send `requests_per_client` chat requests
-over that document (greedy-free sampling with per-request seeds), and returns throughput, latency
-percentiles, errors and lost requests. Bounded in count (clients x requests) and in time
-(`time_limit_s`: whatever has not finished by then is counted as lost and the run stops). The server
-and its engine thread are shut down before it returns.
+document and runs `n_clients` concurrent clients. Each client sends its requests one after the other;
+the requests of all clients are one seeded shuffle of three classes, dealt round-robin:
+
+* good (`n_clients x requests_per_client`): a streaming (SSE) chat completion over the shared
+  document, sampled with a per-request seed. Completed: status 200, then chunks, a usage chunk and
+  `[DONE]`.
+* malformed (`malformed x` the good count, on top): one of `malformed_cases` in turn — bad JSON,
+  wrong field types, an unknown document, out-of-range parameters, on the chat and document routes.
+  Each must get a 4xx (the case's expected status is recorded too), never a 5xx.
+* over_budget (`over_budget x` the good count, on top): a document add whose compressed KV alone
+  exceeds the server's KV budget: must get 429 with Retry-After. With over_budget > 0 the server runs
+  with `budget_bytes` = the shared document + 2 x the measured suffix storage of `n_clients` agents
+  of the longest good request, so the good load always fits; the over-budget document has the
+  fewest tokens whose computed compressed bytes exceed 1.1 x the budget.
+
+Outcome of a request: answered (any HTTP status; for a good request also an error event inside its
+stream) or lost (no answer: the time limit or the per-request timeout passed, the connection failed,
+or a stream ended without `[DONE]`). Bounded in count (the plan above) and in time (`time_limit_s`:
+whatever has not finished by then is lost and the run stops). The server and its engine thread are
+shut down before returning.
+
+Figures: per class counts; `http_5xx` over all classes (a stream's error event of type
+server_error counts); throughput (good completions and their tokens per second of wall time);
+latency and time to first token (first content chunk) p50/p99 of good requests; answer time of the
+bad classes; `clean` when every good request completed, every malformed one got a 4xx, every
+over-budget one a 429 with Retry-After, and nothing got a 5xx or was lost.
 """
 
 from __future__ import annotations
 
 import asyncio
+import json
+import math
 import os
 import platform
+import random
 import statistics
 import time
 
-__all__ = ["bench_serve"]
+__all__ = ["bench_serve", "malformed_cases"]
 
 DEFAULT_DOC = (
     "Internal memo of the Harbor Street library. The reading room opens at nine and closes at six. "
@@ -39,6 +63,38 @@ QUESTIONS = [
     "When does the reading room close?",
 ]
 
+OVER_BUDGET_FILLER = ("Annex to the memo: an inventory of the harbour archive, shelf by shelf, with letters, maps, "
+                      "ledgers and photographs sorted by decade and by the family that gave them. ")
+
+CHAT = "/v1/chat/completions"
+DOCS = "/v1/documents"
+
+
+def malformed_cases(doc: str) -> list[tuple[str, int, str, bytes]]:
+    """(name, expected status, path, request body) of every malformed request the load sends."""
+    base = {"document": doc, "stream": True, "max_tokens": 4,
+            "messages": [{"role": "user", "content": QUESTIONS[0]}]}
+
+    def chat(**kw) -> bytes:
+        return json.dumps({**base, **kw}).encode()
+
+    return [
+        ("bad_json", 400, CHAT, chat()[:-7]),
+        ("max_tokens_string", 400, CHAT, chat(max_tokens="8")),
+        ("messages_not_a_list", 400, CHAT, chat(messages=QUESTIONS[0])),
+        ("unknown_document", 404, CHAT, chat(document="doc-0000000000000000")),
+        ("document_not_a_string", 400, CHAT, chat(document=12345)),
+        ("temperature_out_of_range", 400, CHAT, chat(temperature=9.5)),
+        ("top_p_out_of_range", 400, CHAT, chat(top_p=1.5)),
+        ("max_tokens_zero", 400, CHAT, chat(max_tokens=0)),
+        ("max_tokens_over_cap", 400, CHAT, chat(max_tokens=10**9)),
+        ("unknown_role", 400, CHAT, chat(messages=[{"role": "wizard", "content": "hi"}])),
+        ("empty_messages", 400, CHAT, chat(messages=[])),
+        ("n_two", 400, CHAT, chat(n=2)),
+        ("document_text_not_a_string", 400, DOCS, json.dumps({"text": 42}).encode()),
+        ("document_text_empty", 400, DOCS, json.dumps({"text": ""}).encode()),
+    ]
+
 
 def _pct(xs: list[float], q: float) -> float | None:
     if not xs:
@@ -48,90 +104,181 @@ def _pct(xs: list[float], q: float) -> float | None:
     return xs[k]
 
 
-async def _load(url: str, doc_id: str, model_name: str, n_clients: int, per_client: int, max_tokens: int,
-                deadline: float, request_timeout: float) -> dict:
+def _r(x):
+    return None if x is None else round(x, 4)
+
+
+def _plan(n_clients: int, per_client: int, malformed: float, over_budget: float, n_cases: int,
+          seed: int) -> list[list[tuple[str, int]]]:
+    """Per client, its requests in order: (class, index) with index the good request's number, the
+    malformed case or the over-budget request's number."""
+    good = n_clients * per_client
+    tasks = [("good", i) for i in range(good)]
+    tasks += [("malformed", i % n_cases) for i in range(round(malformed * good))]
+    tasks += [("over_budget", i) for i in range(round(over_budget * good))]
+    random.Random(seed).shuffle(tasks)
+    return [tasks[c::n_clients] for c in range(n_clients)]
+
+
+class _Tally:
+    """Outcomes, written by the client coroutines of one event loop."""
+
+    def __init__(self):
+        self.lat: list[float] = []
+        self.ttft: list[float] = []
+        self.tokens = 0
+        self.completed = 0
+        self.good_errors: list[str] = []
+        self.statuses: dict[str, dict[int, int]] = {"good": {}, "malformed": {}, "over_budget": {}}
+        self.cases: dict[str, dict[int, int]] = {}
+        self.answered = {"good": 0, "malformed": 0, "over_budget": 0}
+        self.answer_s: dict[str, list[float]] = {"malformed": [], "over_budget": []}
+        self.retry_after = 0
+        self.http_5xx = 0
+        self.lost_samples: list[str] = []
+        self.bad_samples: list[str] = []
+
+    def status(self, cls: str, status: int) -> None:
+        self.statuses[cls][status] = self.statuses[cls].get(status, 0) + 1
+        self.answered[cls] += 1
+        if status >= 500:
+            self.http_5xx += 1
+
+
+async def _load(url: str, doc_id: str, model_name: str, plan: list[list[tuple[str, int]]], max_tokens: int,
+                over_text: str | None, deadline: float, request_timeout: float) -> tuple[_Tally, float]:
     import httpx
 
-    lat: list[float] = []
-    ttft: list[float] = []
-    tokens = 0
-    errors: list[str] = []
-    ok = 0
-    limits = httpx.Limits(max_connections=n_clients + 4, max_keepalive_connections=n_clients + 4)
+    t = _Tally()
+    cases = malformed_cases(doc_id)
+    over_body = json.dumps({"text": over_text, "name": "over-budget"}).encode() if over_text else None
+    headers = {"Content-Type": "application/json"}
+    limits = httpx.Limits(max_connections=len(plan) + 4, max_keepalive_connections=len(plan) + 4)
     async with httpx.AsyncClient(base_url=url, timeout=request_timeout, limits=limits) as client:
 
-        async def one(c: int, i: int) -> None:
-            nonlocal tokens, ok
+        async def good(i: int) -> None:
             body = {"model": model_name, "document": doc_id, "max_tokens": max_tokens,
-                    "temperature": 0.7, "top_p": 0.95, "seed": c * 1000 + i, "stream": True,
-                    "messages": [{"role": "user", "content": QUESTIONS[(c + i) % len(QUESTIONS)]}],
+                    "temperature": 0.7, "top_p": 0.95, "seed": i, "stream": True,
+                    "messages": [{"role": "user", "content": QUESTIONS[i % len(QUESTIONS)]}],
                     "stream_options": {"include_usage": True}}
             t0 = time.perf_counter()
-            first = None
-            usage = None
-            got_done = False
-            async with client.stream("POST", "/v1/chat/completions", json=body) as r:
+            first = usage = None
+            async with client.stream("POST", CHAT, json=body) as r:
                 if r.status_code != 200:
-                    errors.append(f"{r.status_code}: {(await r.aread())[:200]!r}")
+                    t.status("good", r.status_code)
+                    t.good_errors.append(f"{r.status_code}: {(await r.aread())[:200]!r}")
                     return
-                import json
-
                 async for line in r.aiter_lines():
                     if not line.startswith("data: "):
                         continue
                     data = line[6:]
                     if data == "[DONE]":
-                        got_done = True
                         break
                     obj = json.loads(data)
-                    if "error" in obj:
-                        errors.append(str(obj["error"])[:200])
+                    if "error" in obj:  # answered with an error inside the stream
+                        t.status("good", 500 if obj["error"].get("type") == "server_error" else 400)
+                        t.good_errors.append(f"stream error: {str(obj['error'])[:200]}")
                         return
                     if obj.get("usage"):
                         usage = obj["usage"]
                     if first is None and obj.get("choices") and obj["choices"][0]["delta"].get("content"):
                         first = time.perf_counter() - t0
-            if not got_done or usage is None:
-                errors.append("stream ended without [DONE]/usage")
-                return
-            lat.append(time.perf_counter() - t0)
+                else:
+                    raise ConnectionError("stream ended without [DONE]")
+            if usage is None:
+                raise ConnectionError("stream ended without a usage chunk")
+            t.status("good", 200)
+            t.lat.append(time.perf_counter() - t0)
             if first is not None:
-                ttft.append(first)
-            tokens += usage["completion_tokens"]
-            ok += 1
+                t.ttft.append(first)
+            t.tokens += usage["completion_tokens"]
+            t.completed += 1
 
-        async def client_loop(c: int) -> None:
-            for i in range(per_client):
+        async def bad(cls: str, path: str, content: bytes, name: str, expect: int) -> None:
+            t0 = time.perf_counter()
+            r = await client.post(path, content=content, headers=headers)
+            t.answer_s[cls].append(time.perf_counter() - t0)
+            t.status(cls, r.status_code)
+            if cls == "malformed":
+                row = t.cases.setdefault(name, {})
+                row[r.status_code] = row.get(r.status_code, 0) + 1
+            elif r.status_code == 429 and r.headers.get("retry-after", "").isdigit():
+                t.retry_after += 1
+            if r.status_code != expect and len(t.bad_samples) < 5:
+                t.bad_samples.append(f"{cls} {name}: {r.status_code} {r.text[:200]}")
+
+        async def one(cls: str, i: int) -> None:
+            if cls == "good":
+                await good(i)
+            elif cls == "malformed":
+                name, expect, path, content = cases[i]
+                await bad(cls, path, content, name, expect)
+            else:
+                await bad(cls, DOCS, over_body, "document over the KV budget", 429)
+
+        async def client_loop(tasks: list[tuple[str, int]]) -> None:
+            for cls, i in tasks:
                 if time.monotonic() >= deadline:
                     return
                 try:
-                    await asyncio.wait_for(one(c, i), max(0.1, deadline - time.monotonic()))
+                    await asyncio.wait_for(one(cls, i), max(0.1, deadline - time.monotonic()))
                 except asyncio.TimeoutError:
-                    return  # counted as lost
-                except Exception as exc:  # transport errors
-                    errors.append(f"{type(exc).__name__}: {exc}"[:200])
+                    return  # the time limit: this request and the rest of this client are lost
+                except Exception as exc:  # transport errors, timeouts, cut streams: lost
+                    if len(t.lost_samples) < 5:
+                        t.lost_samples.append(f"{cls}: {type(exc).__name__}: {exc}"[:200])
 
         t0 = time.perf_counter()
-        await asyncio.gather(*(client_loop(c) for c in range(n_clients)))
+        await asyncio.gather(*(client_loop(tasks) for tasks in plan))
         wall = time.perf_counter() - t0
-    return {"lat": lat, "ttft": ttft, "tokens": tokens, "errors": errors, "ok": ok, "wall": wall}
+    return t, wall
+
+
+def _suffix_agent_bytes(state, handle, n_agents: int, rows: int) -> int:
+    """Engine thread: measured suffix storage of `n_agents` agents of `rows` rows over `handle`."""
+    with state.pool.open_batch(handle) as b:
+        b.reserve([rows] * n_agents)
+        return b.nbytes()
+
+
+def _over_budget_text(state, budget: int) -> tuple[str, int]:
+    """A document whose computed compressed bytes exceed 1.1 x `budget`, and its token count."""
+    need = math.ceil(1.1 * budget)
+    per = state.prefix_bytes(1)
+    if per is None or not hasattr(state.pool, "_doc_tokens"):
+        raise ValueError("over-budget requests need the shared pool (its KV layout and codecs)")
+    n = max(1, need // per)
+    while state.prefix_bytes(n) <= need:
+        n += max(1, n // 16)
+    unit = len(state.encode(OVER_BUDGET_FILLER))
+    text = OVER_BUDGET_FILLER * (n // unit + 2)
+    tokens = len(state.pool._doc_tokens(text)[0])
+    if tokens >= state.context_length:
+        raise ValueError(f"an over-budget document would need {tokens} tokens, beyond the model's context "
+                         f"({state.context_length}): use fewer clients or no over-budget requests")
+    return text, tokens
 
 
 def bench_serve(n_clients: int = 32, requests_per_client: int = 8, max_tokens: int = 16, model=None,
                 k: str = "q8_0", v: str = "turbo3", document: str | None = None, time_limit_s: float = 900.0,
                 request_timeout_s: float = 600.0, max_agents: int = 64, torch_threads: int | None = None,
-                _model_tok=None) -> dict:
+                malformed: float = 0.0, over_budget: float = 0.0, seed: int = 0, _model_tok=None) -> dict:
     """Run the bounded load and return a dict of figures (see module doc).
 
     `model`: as for `polykv.load_model` (None: the embedded SmolLM2). `torch_threads`: intra-op threads
     for the engine (None: torch's default; 1 is much faster on an oversubscribed shared CPU).
-    `_model_tok`: an already loaded
-    (model, tokenizer) pair (tests). Everything is stopped before returning, also on errors.
+    `malformed`, `over_budget`: those requests as fractions of the good ones, added on top. `seed`:
+    the shuffle of the classes. `_model_tok`: an already loaded (model, tokenizer) pair (tests).
+    Everything is stopped before returning, also on errors.
     """
     import httpx
 
     from ..server import ServerThread, build_pool, create_app
+    from ..server.prompts import chat_suffix_ids
 
+    if not (0 <= malformed <= 1 and 0 <= over_budget <= 1):
+        raise ValueError("malformed and over_budget are fractions in [0, 1]")
+    started = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
     if _model_tok is not None:
         m, tok = _model_tok
         name = "test-model"
@@ -141,49 +288,89 @@ def bench_serve(n_clients: int = 32, requests_per_client: int = 8, max_tokens: i
         m, tok = load_model(model)
         name = str(model or "smollm2-135m")
     pool = build_pool(m, tok, k=k, v=v)
-    app = create_app(pool, model_name=name, k=k, v=v, engine_kwargs={"max_agents": max_agents, "num_threads": torch_threads})
+    app = create_app(pool, model_name=name, k=k, v=v,
+                     engine_kwargs={"max_agents": max_agents, "num_threads": torch_threads})
     state = app.state.polykv
+    cases = malformed_cases("")
+    plan = _plan(n_clients, requests_per_client, malformed, over_budget, len(cases), seed)
+    planned = {c: sum(1 for tasks in plan for cls, _ in tasks if cls == c)
+               for c in ("good", "malformed", "over_budget")}
+    budget = over_text = over_tokens = None
     with ServerThread(app) as srv:
-        r = httpx.post(srv.url + "/v1/documents", json={"text": document or DEFAULT_DOC, "name": "bench"},
+        r = httpx.post(srv.url + DOCS, json={"text": document or DEFAULT_DOC, "name": "bench"},
                        timeout=request_timeout_s)
         r.raise_for_status()
         doc = r.json()
+        if planned["over_budget"]:
+            handle = state.docs[doc["id"]]["_handle"]
+            rows = max_tokens + max(len(chat_suffix_ids(state, handle, [{"role": "user", "content": q}]))
+                                    for q in QUESTIONS)
+            agents = state.engine.call(_suffix_agent_bytes, state, handle, n_clients, rows).result(timeout=600)
+            budget = doc["bytes"] + 2 * agents
+            over_text, over_tokens = _over_budget_text(state, budget)
+            pool.budget_bytes = budget
         steps0 = state.engine.steps
         deadline = time.monotonic() + time_limit_s
-        res = asyncio.run(_load(srv.url, doc["id"], name, n_clients, requests_per_client, max_tokens, deadline,
-                                request_timeout_s))
+        t, wall = asyncio.run(_load(srv.url, doc["id"], name, plan, max_tokens, over_text, deadline,
+                                    request_timeout_s))
         mem = state.engine.call(state.memory_sync).result(timeout=600)
         steps = state.engine.steps - steps0
-    total = n_clients * requests_per_client
-    lost = total - res["ok"] - len(res["errors"])
-    lat = res["lat"]
-    wall = res["wall"]
+        doc_after = httpx.get(srv.url + DOCS, timeout=60).json()["data"]
+    good_err = len(t.good_errors)
+    classes = {
+        "good": {"planned": planned["good"], "completed": t.completed, "errors": good_err,
+                 "lost": planned["good"] - t.answered["good"], "statuses": _keys(t.statuses["good"])},
+        "malformed": {"planned": planned["malformed"],
+                      "answered_4xx": sum(n for s, n in t.statuses["malformed"].items() if 400 <= s < 500),
+                      "as_expected": sum(t.cases.get(nm, {}).get(exp, 0) for nm, exp, _, _ in cases),
+                      "lost": planned["malformed"] - t.answered["malformed"],
+                      "statuses": _keys(t.statuses["malformed"]),
+                      "by_case": {nm: {"expected": exp, "statuses": _keys(t.cases.get(nm, {}))}
+                                  for nm, exp, _, _ in cases},
+                      "answer_p50_s": _r(_pct(t.answer_s["malformed"], 50)),
+                      "answer_p99_s": _r(_pct(t.answer_s["malformed"], 99))},
+        "over_budget": {"planned": planned["over_budget"], "answered_429": t.statuses["over_budget"].get(429, 0),
+                        "with_retry_after": t.retry_after, "lost": planned["over_budget"] - t.answered["over_budget"],
+                        "statuses": _keys(t.statuses["over_budget"]), "document_tokens": over_tokens,
+                        "answer_p50_s": _r(_pct(t.answer_s["over_budget"], 50)),
+                        "answer_p99_s": _r(_pct(t.answer_s["over_budget"], 99))},
+    }
+    lost = sum(c["lost"] for c in classes.values())
+    clean = (t.completed == planned["good"] and t.http_5xx == 0 and lost == 0
+             and classes["malformed"]["answered_4xx"] == planned["malformed"]
+             and classes["over_budget"]["answered_429"] == classes["over_budget"]["with_retry_after"]
+             == planned["over_budget"])
     return {
-        "clients": n_clients, "requests_per_client": requests_per_client, "requests": total,
-        "completed": res["ok"], "errors": len(res["errors"]), "lost": lost,
-        "error_samples": res["errors"][:5],
-        "max_tokens": max_tokens, "completion_tokens": res["tokens"],
-        "wall_s": round(wall, 3),
-        "req_per_s": round(res["ok"] / wall, 3) if wall else None,
-        "tok_per_s": round(res["tokens"] / wall, 2) if wall else None,
-        "latency_p50_s": _r(_pct(lat, 50)), "latency_p99_s": _r(_pct(lat, 99)),
-        "latency_mean_s": _r(statistics.fmean(lat)) if lat else None,
-        "ttft_p50_s": _r(_pct(res["ttft"], 50)), "ttft_p99_s": _r(_pct(res["ttft"], 99)),
+        "clients": n_clients, "requests_per_client": requests_per_client, "requests": planned["good"],
+        "requests_total": sum(planned.values()),
+        "completed": t.completed, "errors": good_err, "lost": classes["good"]["lost"],
+        "error_samples": t.good_errors[:5], "lost_samples": t.lost_samples, "unexpected_samples": t.bad_samples,
+        "classes": classes, "http_5xx": t.http_5xx, "lost_all": lost, "clean": clean,
+        "documents_after": len(doc_after),
+        "max_tokens": max_tokens, "completion_tokens": t.tokens,
+        "wall_s": round(wall, 3), "time_limit_s": time_limit_s,
+        "req_per_s": round(t.completed / wall, 3) if wall else None,
+        "answers_per_s": round(sum(t.answered.values()) / wall, 3) if wall else None,
+        "tok_per_s": round(t.tokens / wall, 2) if wall else None,
+        "latency_p50_s": _r(_pct(t.lat, 50)), "latency_p99_s": _r(_pct(t.lat, 99)),
+        "latency_mean_s": _r(statistics.fmean(t.lat)) if t.lat else None,
+        "ttft_p50_s": _r(_pct(t.ttft, 50)), "ttft_p99_s": _r(_pct(t.ttft, 99)),
         "engine_steps": steps,
         "doc_tokens": doc["tokens"], "kv_bytes_shared": mem.get("kv_bytes_shared"),
-        "kv_bytes_naive_f16": mem.get("kv_bytes_naive_f16"),
-        "model": name, "k": k, "v": v, "pool": type(pool).__name__,
-        "machine": f"{platform.machine()} {os.cpu_count()} cpu",
+        "kv_bytes_naive_f16": mem.get("kv_bytes_naive_f16"), "budget_bytes": budget,
+        "model": name, "k": k, "v": v, "pool": type(pool).__name__, "seed": seed,
+        "torch_threads": torch_threads, "started_utc": started,
+        "machine": f"{platform.machine()} {os.cpu_count()} cpu, {platform.system()}, "
+                   f"python {platform.python_version()}",
     }
 
 
-def _r(x):
-    return None if x is None else round(x, 4)
+def _keys(d: dict) -> dict:
+    return {str(k): v for k, v in sorted(d.items())}
 
 
 if __name__ == "__main__":  # pragma: no cover
     import argparse
-    import json
 
     ap = argparse.ArgumentParser()
     ap.add_argument("--clients", type=int, default=32)
@@ -192,6 +379,9 @@ if __name__ == "__main__":  # pragma: no cover
     ap.add_argument("--model", default=None)
     ap.add_argument("--torch-threads", type=int, default=None)
     ap.add_argument("--time-limit", type=float, default=900.0)
+    ap.add_argument("--malformed", type=float, default=0.0)
+    ap.add_argument("--over-budget", type=float, default=0.0)
     a = ap.parse_args()
     print(json.dumps(bench_serve(a.clients, a.requests, a.max_tokens, a.model, time_limit_s=a.time_limit,
-                                 torch_threads=a.torch_threads), indent=2))
+                                 torch_threads=a.torch_threads, malformed=a.malformed, over_budget=a.over_budget),
+                     indent=2))
