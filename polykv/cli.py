@@ -95,8 +95,10 @@ def codecs(
 def demo(
     json_out: bool = typer.Option(False, "--json", help="Print one JSON object."),
     agents: int = typer.Option(8, "--agents", help="Number of agents (questions) over the document."),
-    k: str = typer.Option("q8_0", "--k", help="Key type."),
-    v: str = typer.Option("turbo3", "--v", help="Value type."),
+    preset: Optional[str] = typer.Option(None, "--preset", help="KV preset: default (K q8_0 / V turbo3), "
+                                         "balanced, max; --k / --v override it."),
+    k: Optional[str] = typer.Option(None, "--k", help="Key type (overrides the preset)."),
+    v: Optional[str] = typer.Option(None, "--v", help="Value type (overrides the preset)."),
     model: Optional[str] = typer.Option(None, "--model", help="Model (default: embedded SmolLM2-135M)."),
     max_new_tokens: int = typer.Option(32, "--max-new-tokens"),
 ):
@@ -104,6 +106,9 @@ def demo(
     from .demo import format_demo, run_demo
     from .hf.loading import load_model
 
+    from .presets import resolve
+
+    k, v, _ = resolve(preset, k, v)
     m, tok = load_model(model)
     result = run_demo(m, tok, agents=agents, k=k, v=v, max_new_tokens=max_new_tokens)
     if json_out:
@@ -275,8 +280,10 @@ def serve(
     host: str = typer.Option("127.0.0.1", "--host"),
     port: int = typer.Option(8000, "--port"),
     model: Optional[str] = typer.Option(None, "--model"),
-    k: str = typer.Option("q8_0", "--k"),
-    v: str = typer.Option("turbo3", "--v"),
+    preset: Optional[str] = typer.Option(None, "--preset", help="KV preset: default (K q8_0 / V turbo3), "
+                                         "balanced, max; --k / --v override it."),
+    k: Optional[str] = typer.Option(None, "--k", help="Key type (overrides the preset)."),
+    v: Optional[str] = typer.Option(None, "--v", help="Value type (overrides the preset)."),
     store: Optional[str] = typer.Option(None, "--store", help="Directory where documents persist."),
     budget_bytes: Optional[int] = typer.Option(None, "--budget-bytes", help="KV memory budget."),
     torch_threads: Optional[int] = typer.Option(None, "--torch-threads", help="Engine intra-op threads."),
@@ -287,7 +294,7 @@ def serve(
     from .server import serve as _serve
 
     _serve(host=host, port=port, model=model, k=k, v=v, store=store, budget_bytes=budget_bytes,
-           torch_threads=torch_threads, api_key=api_key)
+           torch_threads=torch_threads, api_key=api_key, preset=preset)
 
 
 def main() -> None:

@@ -166,6 +166,17 @@ def test_demo_json(tiny_dir):
     assert obj["ratio"] > 2  # 2 f16 copies vs one q8_0/turbo3 copy (6 bits/value) + 2 suffixes
 
 
+def test_demo_preset_and_override(tiny_dir):
+    """--preset picks the K/V types (DESIGN §5 presets); --k / --v override it."""
+    base = ["demo", "--agents", "1", "--max-new-tokens", "2", "--model", tiny_dir]
+    obj = run_json(base + ["--preset", "max"])
+    assert (obj["k"], obj["v"]) == ("turbo3", "turbo2")
+    obj2 = run_json(base + ["--preset", "max", "--v", "q8_0"])
+    assert (obj2["k"], obj2["v"]) == ("turbo3", "q8_0")
+    assert obj["kv_bytes_shared"] < obj2["kv_bytes_shared"]
+    assert run_cli(base + ["--preset", "fast", "--json"], ok=False).exit_code != 0
+
+
 def test_calibrate_json(tiny_dir, tmp_path):
     """Not a §6 contract command, but it writes the table `KVCache(innerq=...)` reads."""
     out = tmp_path / "iq.safetensors"

@@ -51,3 +51,18 @@ def test_pool_preset_and_override():
     assert pool.innerq is None  # "auto" and no calibrated table for this random model
     pool = polykv.SharedKVPool(model, CharTok(), preset="balanced", v="q8_0", progress=False)
     assert (pool.k_type, pool.v_type) == ("turbo4", "q8_0")
+
+
+def test_serve_resolves_the_preset(monkeypatch):
+    """`polykv serve --preset max` builds its pool with the preset's types (--k/--v override)."""
+    import uvicorn
+
+    from polykv.server import runner
+
+    seen = []
+    monkeypatch.setattr(runner, "_make_app", lambda **kw: seen.append(kw) or object())
+    monkeypatch.setattr(uvicorn, "run", lambda *a, **k: None)
+    runner.serve(preset="max")
+    runner.serve(preset="balanced", k="q8_0")
+    assert [(s["k"], s["v"], s["innerq"]) for s in seen] == [("turbo3", "turbo2", "auto"),
+                                                             ("q8_0", "turbo3", "auto")]

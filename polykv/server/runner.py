@@ -29,7 +29,8 @@ def _store_has_pool(store: str | os.PathLike) -> bool:
     return Path(store).is_dir() and has_saved_pool(store)
 
 
-def build_pool(model, tok, *, k: str = "q8_0", v: str = "turbo3", store=None, budget_bytes=None, device=None):
+def build_pool(model, tok, *, k: str = "q8_0", v: str = "turbo3", store=None, budget_bytes=None, device=None,
+               innerq=None):
     """SharedKVPool (loaded from `store` when it holds a saved pool); DensePool if the shared pool is
     not importable."""
     try:
@@ -44,10 +45,10 @@ def build_pool(model, tok, *, k: str = "q8_0", v: str = "turbo3", store=None, bu
         if budget_bytes is not None and hasattr(pool, "budget_bytes"):
             pool.budget_bytes = budget_bytes
         return pool
-    return SharedKVPool(model, tok, k=k, v=v, device=device, budget_bytes=budget_bytes)
+    return SharedKVPool(model, tok, k=k, v=v, device=device, budget_bytes=budget_bytes, innerq=innerq)
 
 
-def _make_app(model=None, k="q8_0", v="turbo3", store=None, budget_bytes=None, **app_kw):
+def _make_app(model=None, k="q8_0", v="turbo3", store=None, budget_bytes=None, innerq=None, **app_kw):
     from ..hf.loading import load_model
     from .app import create_app
 
@@ -55,7 +56,7 @@ def _make_app(model=None, k="q8_0", v="turbo3", store=None, budget_bytes=None, *
     m, tok = load_model(model)
     if store is not None:
         Path(store).mkdir(parents=True, exist_ok=True)
-    pool = build_pool(m, tok, k=k, v=v, store=store, budget_bytes=budget_bytes)
+    pool = build_pool(m, tok, k=k, v=v, store=store, budget_bytes=budget_bytes, innerq=innerq)
     return create_app(pool, model_name=str(name), k=k, v=v, store=str(store) if store else None, **app_kw)
 
 
@@ -72,12 +73,13 @@ def check_bind(host: str, api_key: str | None) -> bool:
     return True
 
 
-def serve(host: str = "127.0.0.1", port: int = 8000, model: str | None = None, k: str = "q8_0",
-          v: str = "turbo3", store: str | None = None, budget_bytes: int | None = None,
+def serve(host: str = "127.0.0.1", port: int = 8000, model: str | None = None, k: str | None = None,
+          v: str | None = None, store: str | None = None, budget_bytes: int | None = None,
           log_level: str = "info", torch_threads: int | None = None, api_key: str | None = None,
-          max_body_bytes: int | None = None) -> None:
+          max_body_bytes: int | None = None, preset: str | None = None) -> None:
     """Load the model, build (or load from `store`) the pool and serve until interrupted.
 
+    `preset` (polykv.presets; default "default") gives K/V types and InnerQ; `k` / `v` override it.
     `torch_threads`: intra-op threads of the engine (None: torch's default).
     `api_key`: Bearer key for every route but /health (None: $POLYKV_API_KEY, else open; binding a
     non-loopback host without one logs a warning). `max_body_bytes`: larger bodies get 413.
@@ -91,7 +93,10 @@ def serve(host: str = "127.0.0.1", port: int = 8000, model: str | None = None, k
     app_kw = {"api_key": api_key}
     if max_body_bytes is not None:
         app_kw["max_body_bytes"] = max_body_bytes
-    app = _make_app(model=model, k=k, v=v, store=store, budget_bytes=budget_bytes,
+    from ..presets import resolve
+
+    k, v, innerq = resolve(preset, k, v)
+    app = _make_app(model=model, k=k, v=v, store=store, budget_bytes=budget_bytes, innerq=innerq,
                     engine_kwargs={"num_threads": torch_threads}, **app_kw)
     uvicorn.run(app, host=host, port=port, log_level=log_level, timeout_graceful_shutdown=5)
 
