@@ -108,6 +108,8 @@ class SharedKVPool:
         self.progress = progress
         self.layout = kv_layout(model)
         self._windows = [s.sliding_window for s in self.layout]
+        if innerq == "auto" and not str(k).startswith("turbo"):
+            innerq = None  # InnerQ applies to turbo keys only: no fingerprint, no table lookup
         if innerq == "auto":  # the table calibrated for this model, when there is one
             from ..hf.kv_cache import innerq_path
 
