@@ -375,13 +375,7 @@ def _kv_polykv(clock: Clock, model, ids: torch.Tensor, k: str, v: str, chunk: in
         runner = DecodeGraph(model, cache, max_new_tokens=warmup + steps + 4)
         forward, mode = runner.step, getattr(runner, "mode", None)
     else:
-        pos = torch.full((b, 1), ctx, dtype=torch.long, device=ids.device)
-        mode = None
-
-        def forward(x):
-            out = model(input_ids=x, position_ids=pos, past_key_values=cache, use_cache=True)
-            pos.add_(1)
-            return out.logits[:, -1]
+        forward, mode = _eager_forward(model, cache, b, ctx, ids.device), None
 
     t = _greedy_loop(clock, forward, logits.argmax(-1), warmup, steps, trace)
     return dict(ms_polykv=t["ms"], ms_polykv_gpu=t["ms_gpu"], ms_polykv_min=t["ms_min"],
@@ -389,6 +383,19 @@ def _kv_polykv(clock: Clock, model, ids: torch.Tensor, k: str, v: str, chunk: in
                 polykv_path="DecodeGraph" if graph else "eager", polykv_graph_mode=mode,
                 kv_bytes_polykv=cache.nbytes(),
                 **_peak_fields(clock, "polykv", base))
+
+
+def _eager_forward(model, cache, batch: int, ctx: int, device) -> Callable[[torch.Tensor], torch.Tensor]:
+    """One eager decode step over `cache` after a ctx-token prompt: ids [B, 1] -> logits [B, vocab]
+    (positions advance on the device)."""
+    pos = torch.full((batch, 1), ctx, dtype=torch.long, device=device)
+
+    def forward(x):
+        out = model(input_ids=x, position_ids=pos, past_key_values=cache, use_cache=True)
+        pos.add_(1)
+        return out.logits[:, -1]
+
+    return forward
 
 
 def _kv_polykv_any(clock: Clock, model, ids, k, v, chunk, warmup, steps, log, trace: list | None = None) -> dict:
@@ -422,13 +429,7 @@ def _kv_dynamic(clock: Clock, model, ids: torch.Tensor, chunk: int, warmup: int,
     base = clock.start()
     cache = DynamicCache(config=model.config)
     logits, ms_prefill, _ = clock.call(lambda: prefill(model, cache, ids, chunk))
-    pos = torch.full((b, 1), ctx, dtype=torch.long, device=ids.device)
-
-    def forward(x):
-        out = model(input_ids=x, position_ids=pos, past_key_values=cache, use_cache=True)
-        pos.add_(1)
-        return out.logits[:, -1]
-
+    forward = _eager_forward(model, cache, b, ctx, ids.device)
     t = _greedy_loop(clock, forward, logits.argmax(-1), warmup, steps, trace)
     return dict(ms_baseline=t["ms"], ms_baseline_gpu=t["ms_gpu"], ms_baseline_min=t["ms_min"],
                 ms_baseline_max=t["ms_max"], ms_baseline_prefill=ms_prefill,
