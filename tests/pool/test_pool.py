@@ -9,7 +9,7 @@ import torch
 from polykv.cache import storage_bytes
 from polykv.pool import DocumentInUseError, SharedKVPool
 
-from .conftest import CharTok
+from .conftest import CharTok, tiny_gemma
 
 DOC = list(range(3, 60)) + list(range(10, 40))  # 87 tokens
 
@@ -46,14 +46,7 @@ def test_f16_pool_matches_full_forward(tiny):
 
 def test_sliding_window_layers_match_full_forward():
     """Gemma-3-style sliding layers: the pool keeps only window-1 prefix rows and still matches."""
-    from transformers import Gemma3ForCausalLM, Gemma3TextConfig
-
-    torch.manual_seed(0)
-    cfg = Gemma3TextConfig(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=3,
-                           num_attention_heads=2, num_key_value_heads=1, head_dim=32, sliding_window=8,
-                           layer_types=["sliding_attention", "sliding_attention", "full_attention"],
-                           max_position_embeddings=512, pad_token_id=0, eos_token_id=1, bos_token_id=2)
-    model = Gemma3ForCausalLM(cfg).eval()
+    model = tiny_gemma(heads=2, kv_heads=1)
     pool = SharedKVPool(model, CharTok(), k="f16", v="f16", prefill_chunk=8)
     doc_ids = list(range(3, 33))
     doc = pool.add_document(doc_ids)

@@ -14,7 +14,7 @@ from polykv.pool.agent_cache import dummy_mask
 from polykv.pool.attention import flash_attention_lse, prefill_attention, prefill_attention_split
 from polykv.pool.prefill import PrefillCache, _decode_hist, _decode_true, prefill_path
 
-from .conftest import CharTok, tiny_llama
+from .conftest import CharTok, tiny_gemma, tiny_llama
 
 
 def _rand(Hq, Hkv, C, L, D, dtype=torch.float32, seed=0):
@@ -211,14 +211,7 @@ def test_pool_prefill_split_matches_full_forward_f16():
 def test_pool_prefill_split_sliding_window_layers():
     """Gemma-3-style sliding layers through the split path (window layers: masked with expanded
     K/V; the full layer: split) reproduce a plain forward with f16 storage."""
-    from transformers import Gemma3ForCausalLM, Gemma3TextConfig
-
-    torch.manual_seed(0)
-    cfg = Gemma3TextConfig(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=3,
-                           num_attention_heads=4, num_key_value_heads=2, head_dim=32, sliding_window=8,
-                           layer_types=["sliding_attention", "sliding_attention", "full_attention"],
-                           max_position_embeddings=512, pad_token_id=0, eos_token_id=1, bos_token_id=2)
-    model = Gemma3ForCausalLM(cfg).eval()
+    model = tiny_gemma(heads=4, kv_heads=2)
     pool = SharedKVPool(model, CharTok(), k="f16", v="f16", prefill_chunk=5)
     doc_ids = list(range(3, 40))
     with prefill_path("split"):
