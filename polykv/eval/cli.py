@@ -25,7 +25,10 @@ app = typer.Typer(
 K_HELP = "K storage type: f16, bf16, q8_0, q4_0, turbo8, turbo4, turbo3, turbo2"
 V_HELP = "V storage type (same choices as --k)"
 MODEL_HELP = "model: registry name (smollm2-135m, gemma3-270m), HF dir or .gguf (default smollm2-135m)"
-INNERQ_HELP = "InnerQ for turbo K: 'auto' (table from the cache dir), a table path, or 'none'"
+INNERQ_HELP = ("InnerQ for turbo K: 'auto' (table from the cache dir), a table path, or 'none' "
+               "(default: the preset's)")
+PRESET_HELP = ("KV preset: default (K q8_0 / V turbo3), balanced (K turbo4+InnerQ auto / V turbo3), "
+               "max (K turbo3+InnerQ auto / V turbo2); --k / --v / --innerq override it")
 
 
 def _load(model: Optional[str], threads: Optional[int]):
@@ -77,8 +80,24 @@ def _check_types(k: str, v: str) -> None:
         raise typer.BadParameter(str(e)) from None
 
 
+def resolve_kv(preset: Optional[str], k: Optional[str], v: Optional[str],
+               innerq: Optional[str]) -> tuple[str, str, Optional[str]]:
+    """(k, v, innerq) of an eval command, as `polykv demo` / `serve` resolve them: the preset (None:
+    "default") gives K, V and InnerQ; an explicit --k / --v / --innerq wins ('none': no InnerQ)."""
+    from ..presets import resolve
+
+    try:
+        k, v, iq = resolve(preset, k, v, innerq)
+    except ValueError as e:
+        raise typer.BadParameter(str(e)) from None
+    _check_types(k, v)
+    return k, v, _innerq(iq)
+
+
 @app.command()
-def ppl(k: str = typer.Option("q8_0", "--k", help=K_HELP), v: str = typer.Option("turbo3", "--v", help=V_HELP),
+def ppl(preset: Optional[str] = typer.Option(None, "--preset", help=PRESET_HELP),
+        k: Optional[str] = typer.Option(None, "--k", help=K_HELP),
+        v: Optional[str] = typer.Option(None, "--v", help=V_HELP),
         ctx: int = typer.Option(2048, "--ctx", help="window length in tokens"),
         model: Optional[str] = typer.Option(None, "--model", help=MODEL_HELP),
         text: Optional[Path] = typer.Option(None, "--text", help="UTF-8 text file (default: bundled Pride and Prejudice)"),
@@ -88,19 +107,22 @@ def ppl(k: str = typer.Option("q8_0", "--k", help=K_HELP), v: str = typer.Option
         threads: Optional[int] = typer.Option(None, "--threads", help="torch CPU threads"),
         as_json: bool = typer.Option(False, "--json", help="print one JSON object")):
     """Perplexity with compressed KV vs f16 KV (fields: ppl, ppl_ref, delta_pct, tokens)."""
-    _check_types(k, v)
+    k, v, iq = resolve_kv(preset, k, v, innerq)
     from .ppl import eval_ppl
 
     m, tok = _load(model, threads)
-    r = eval_ppl(m, tok, k, v, ctx, text=text, windows=windows, innerq=_innerq(innerq),
+    r = eval_ppl(m, tok, k, v, ctx, text=text, windows=windows, innerq=iq,
                  keep_layers_q8=keep_layers_q8)
+    r["preset"] = preset
     _emit(r, as_json, lambda r: _kv_table(f"ppl K {k} / V {v} @ {ctx}", r,
                                           ["ppl", "ppl_ref", "delta_pct", "tokens", "windows", "kv_bytes",
                                            "bits_per_value", "seconds"]))
 
 
 @app.command()
-def equiv(k: str = typer.Option("q8_0", "--k", help=K_HELP), v: str = typer.Option("turbo3", "--v", help=V_HELP),
+def equiv(preset: Optional[str] = typer.Option(None, "--preset", help=PRESET_HELP),
+          k: Optional[str] = typer.Option(None, "--k", help=K_HELP),
+          v: Optional[str] = typer.Option(None, "--v", help=V_HELP),
           model: Optional[str] = typer.Option(None, "--model", help=MODEL_HELP),
           prompts: Optional[Path] = typer.Option(None, "--prompts", help="JSONL {context, question, needle} per line (see `polykv eval --help`)"),
           max_new_tokens: int = typer.Option(24, "--max-new-tokens"),
@@ -110,15 +132,16 @@ def equiv(k: str = typer.Option("q8_0", "--k", help=K_HELP), v: str = typer.Opti
           threads: Optional[int] = typer.Option(None, "--threads"),
           as_json: bool = typer.Option(False, "--json")):
     """Logit equivalence vs f16 KV (fields: real_frac, mean_tv, p95_tv, recall_mismatch, n, verdict)."""
-    _check_types(k, v)
+    k, v, iq = resolve_kv(preset, k, v, innerq)
     from .equiv import eval_equiv
 
     m, tok = _load(model, threads)
     from .common import load_prompts
 
     plist = load_prompts(prompts)[:limit] if limit else prompts
-    r = eval_equiv(m, tok, k, v, prompts=plist, innerq=_innerq(innerq), keep_layers_q8=keep_layers_q8,
+    r = eval_equiv(m, tok, k, v, prompts=plist, innerq=iq, keep_layers_q8=keep_layers_q8,
                    max_new_tokens=max_new_tokens)
+    r["preset"] = preset
     _emit(r, as_json, lambda r: _kv_table(f"equiv K {k} / V {v}", r,
                                           ["verdict", "real_frac", "mean_tv", "p95_tv", "recall_mismatch", "n",
                                            "recall", "recall_ref", "seconds"]))
@@ -126,8 +149,10 @@ def equiv(k: str = typer.Option("q8_0", "--k", help=K_HELP), v: str = typer.Opti
 
 @app.command()
 def ruler(task: str = typer.Option("niah", "--task", help="niah or vt"),
-          ctx: int = typer.Option(2048, "--ctx"), k: str = typer.Option("q8_0", "--k", help=K_HELP),
-          v: str = typer.Option("turbo3", "--v", help=V_HELP),
+          ctx: int = typer.Option(2048, "--ctx"),
+          preset: Optional[str] = typer.Option(None, "--preset", help=PRESET_HELP),
+          k: Optional[str] = typer.Option(None, "--k", help=K_HELP),
+          v: Optional[str] = typer.Option(None, "--v", help=V_HELP),
           samples: int = typer.Option(20, "--samples"), seed: int = typer.Option(0, "--seed"),
           model: Optional[str] = typer.Option(None, "--model", help=MODEL_HELP),
           text: Optional[Path] = typer.Option(None, "--text", help="filler text file (default: Pride and Prejudice)"),
@@ -135,19 +160,23 @@ def ruler(task: str = typer.Option("niah", "--task", help="niah or vt"),
           threads: Optional[int] = typer.Option(None, "--threads"),
           as_json: bool = typer.Option(False, "--json")):
     """RULER-style niah / vt (fields: score, score_ref, samples)."""
-    _check_types(k, v)
+    k, v, iq = resolve_kv(preset, k, v, innerq)
     if task not in ("niah", "vt"):
         raise typer.BadParameter(f"unknown task {task!r}; valid tasks: niah, vt")
     from .ruler import eval_ruler
 
     m, tok = _load(model, threads)
-    r = eval_ruler(m, tok, task, ctx, k, v, samples, seed, innerq=_innerq(innerq), text=text)
+    r = eval_ruler(m, tok, task, ctx, k, v, samples, seed, innerq=iq, text=text)
+    r["preset"] = preset
     _emit(r, as_json, lambda r: _kv_table(f"ruler {task} @ {ctx} K {k} / V {v}", r,
                                           ["score", "score_ref", "samples", "seconds"]))
 
 
 @app.command()
 def tiers(ctx: int = typer.Option(2048, "--ctx"),
+          preset: Optional[str] = typer.Option(None, "--preset", help="named presets to run, comma-separated "
+                                               "(e.g. default,balanced,max), after an f16 row; default: every "
+                                               "KV type and the asymmetric pairs"),
           model: Optional[str] = typer.Option(None, "--model", help=MODEL_HELP),
           text: Optional[Path] = typer.Option(None, "--text"),
           prompts: Optional[Path] = typer.Option(None, "--prompts"),
@@ -161,13 +190,17 @@ def tiers(ctx: int = typer.Option(2048, "--ctx"),
           threads: Optional[int] = typer.Option(None, "--threads"),
           as_json: bool = typer.Option(False, "--json")):
     """Every KV tier and the asymmetric presets (field: rows)."""
-    from .tiers import eval_tiers, to_markdown
+    from .tiers import eval_tiers, named_presets, to_markdown
 
+    try:
+        rows = named_presets(preset) if preset is not None else None
+    except ValueError as e:
+        raise typer.BadParameter(str(e)) from None
     m, tok = _load(model, threads)
     from .common import load_prompts
 
     plist = load_prompts(prompts)[:limit] if limit else prompts
-    r = eval_tiers(m, tok, ctx=ctx, text=text, windows=windows, prompts=plist,
+    r = eval_tiers(m, tok, ctx=ctx, text=text, windows=windows, prompts=plist, presets=rows,
                    keep_layers_q8=keep_layers_q8, equiv=not no_equiv, ppl=not no_ppl,
                    max_new_tokens=max_new_tokens)
     if markdown and not as_json:
@@ -183,7 +216,8 @@ def tiers(ctx: int = typer.Option(2048, "--ctx"),
             t.add_column(c)
         for row in r["rows"]:
             f = lambda x, s: "—" if x is None else format(x, s)  # noqa: E731
-            t.add_row(row["k"] + (" +InnerQ" if row["innerq"] else ""), row["v"], f(row["bits_per_value"], ".3f"),
+            t.add_row(row["k"] + (" +InnerQ" if row["innerq"] else "")
+                      + (f" ({row['preset']})" if row.get("preset") else ""), row["v"], f(row["bits_per_value"], ".3f"),
                       f(row["kv_bytes"], ",d"), f(row["ppl_delta_pct"], "+.2f"), f(row["mean_tv"], ".4f"),
                       f(row["p95_tv"], ".4f"), f(row["real_frac"], ".2f"), f(row["recall_mismatch"], "d"),
                       row["verdict"] or "—")

@@ -29,6 +29,23 @@ def preset_label(k: str, v: str, innerq: bool) -> str:
     return f"K {k}{'+InnerQ' if innerq else ''} / V {v}"
 
 
+def named_presets(names: str | list[str]) -> list[tuple]:
+    """Rows for named presets (polykv.presets; "default,balanced" or a list), f16 first as the
+    reference: (k, v, innerq, name). A preset's InnerQ "auto" becomes this module's InnerQ table
+    (calibrated on text disjoint from the evaluated windows), like every InnerQ row here."""
+    from ..presets import PRESETS
+
+    if isinstance(names, str):
+        names = [n.strip() for n in names.split(",") if n.strip()]
+    rows = [("f16", "f16", False, None)]
+    for n in names:
+        if n not in PRESETS:
+            raise ValueError(f"unknown preset {n!r}; choose one of {sorted(PRESETS)}")
+        p = PRESETS[n]
+        rows.append((p.k, p.v, p.innerq is not None, n))
+    return rows
+
+
 def calibration_table(model, tok, text=None, tokens: int = INNERQ_CALIB_TOKENS, ctx: int = 1024):
     """InnerQ table from the last `tokens` tokens of the corpus (not saved to the cache dir)."""
     from ..hf.capture import calibrate_innerq
@@ -43,8 +60,9 @@ def eval_tiers(model, tok, ctx: int = 2048, text=None, windows: int | None = Non
                presets=None, keep_layers_q8: int = 0, equiv: bool = True, innerq=None,
                max_new_tokens: int = 24, progress: bool = True, ppl: bool = True,
                on_row=None) -> dict:
-    """One row per preset: {k, v, innerq, bits_per_value, kv_bytes, ppl, ppl_delta_pct, mean_tv,
-    p95_tv, real_frac, recall_mismatch, verdict}. bits_per_value / kv_bytes are measured from the
+    """One row per preset: {k, v, innerq, preset, bits_per_value, kv_bytes, ppl, ppl_delta_pct, mean_tv,
+    p95_tv, real_frac, recall_mismatch, verdict}. presets: (k, v, innerq[, name]) tuples (default:
+    PRESETS; `named_presets` builds them from polykv.presets names). bits_per_value / kv_bytes are measured from the
     cache tensors after a ctx-token window (kv_bytes: allocated storage, compacted).
     innerq: a table for the InnerQ rows (default: calibrated on the end of the corpus).
     ppl / equiv: compute those columns (the other ones are None); on_row(row): called per row."""
@@ -65,8 +83,9 @@ def eval_tiers(model, tok, ctx: int = 2048, text=None, windows: int | None = Non
     ref = eval_ppl(model, tok, "f16", "f16", ctx, text, n_win, progress=progress) if ppl else None
     refs = reference_runs(model, tok, prompts, max_new_tokens, progress) if equiv else None
     rows = []
-    for k, v, iq in presets:
-        row = {"k": k, "v": v, "innerq": bool(iq), "label": preset_label(k, v, iq)}
+    for k, v, iq, *name in presets:
+        row = {"k": k, "v": v, "innerq": bool(iq), "label": preset_label(k, v, iq),
+               "preset": name[0] if name else None}
         if ppl and (k, v, iq) == ("f16", "f16", False) and not keep_layers_q8:
             r = ref  # the reference run is this row
             row.update({"bits_per_value": r["bits_per_value"], "kv_bytes": r["kv_bytes"], "ppl": r["ppl"],
@@ -105,7 +124,7 @@ def to_markdown(result: dict) -> str:
     lines = ["| K | V | bits/value | KV bytes | ppl | ppl Δ% | mean TV | p95 TV | real_frac | recall mismatch | verdict |",
              "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---|"]
     for r in result["rows"]:
-        k = r["k"] + (" +InnerQ" if r.get("innerq") else "")
+        k = r["k"] + (" +InnerQ" if r.get("innerq") else "") + (f" ({r['preset']})" if r.get("preset") else "")
         lines.append(
             f"| {k} | {r['v']} | {_fmt(r['bits_per_value'], '.3f')} | {_fmt(r['kv_bytes'], ',d')} | "
             f"{_fmt(r.get('ppl'), '.3f')} | {_fmt(r['ppl_delta_pct'], '+.2f')} | {_fmt(r['mean_tv'], '.4f')} | "
@@ -114,5 +133,5 @@ def to_markdown(result: dict) -> str:
     return "\n".join(lines)
 
 
-__all__ = ["ASYMMETRIC", "PRESETS", "SYMMETRIC", "calibration_table", "eval_tiers", "preset_label",
-           "to_markdown"]
+__all__ = ["ASYMMETRIC", "PRESETS", "SYMMETRIC", "calibration_table", "eval_tiers", "named_presets",
+           "preset_label", "to_markdown"]

@@ -19,26 +19,6 @@ TIER_FIELDS = {"k", "v", "bits_per_value", "kv_bytes", "ppl_delta_pct", "mean_tv
                "real_frac", "recall_mismatch"}
 
 
-@pytest.fixture(scope="module")
-def tok():
-    from transformers import AutoTokenizer
-
-    from polykv.hf.loading import REGISTRY, _ensure_registry_cache
-
-    return AutoTokenizer.from_pretrained(_ensure_registry_cache(REGISTRY["smollm2-135m"]))
-
-
-@pytest.fixture(scope="module")
-def tiny(tok):
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    torch.manual_seed(0)
-    cfg = LlamaConfig(vocab_size=len(tok), hidden_size=64, intermediate_size=96, num_hidden_layers=2,
-                      num_attention_heads=2, num_key_value_heads=1, head_dim=32,
-                      max_position_embeddings=4096, eos_token_id=tok.eos_token_id)
-    return LlamaForCausalLM(cfg).eval()
-
-
 # --- independent references (DESIGN §7 written out again, KV through tests/hf's FakeQuantCache) ----
 
 def window_logits(model, cache, ids: list[int]) -> torch.Tensor:

@@ -1,0 +1,35 @@
+"""Fixtures of the quality-harness tests: SmolLM2's real tokenizer and a tiny random Llama over it."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+
+@pytest.fixture(scope="module")
+def tok():
+    from transformers import AutoTokenizer
+
+    from polykv.hf.loading import REGISTRY, _ensure_registry_cache
+
+    return AutoTokenizer.from_pretrained(_ensure_registry_cache(REGISTRY["smollm2-135m"]))
+
+
+@pytest.fixture(scope="module")
+def tiny(tok):
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    cfg = LlamaConfig(vocab_size=len(tok), hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+                      num_attention_heads=2, num_key_value_heads=1, head_dim=32,
+                      max_position_embeddings=4096, eos_token_id=tok.eos_token_id)
+    return LlamaForCausalLM(cfg).eval()
+
+
+@pytest.fixture(scope="module")
+def tiny_dir(tiny, tok, tmp_path_factory):
+    """The tiny model and the tokenizer as a local HF directory (for `--model DIR` through the CLI)."""
+    d = tmp_path_factory.mktemp("tiny")
+    tiny.save_pretrained(d)
+    tok.save_pretrained(d)
+    return str(d)
