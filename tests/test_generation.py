@@ -1,7 +1,7 @@
 import pytest
 import torch
 
-from polykv.engine.sampling import Sampler, SamplingParams, StopChecker, sample_token
+from polykv.generation import Sampler, SamplingParams, StopChecker, sample_token
 
 
 def test_greedy_is_argmax():
@@ -93,3 +93,70 @@ def test_stop_strings_across_deltas():
     assert _run_stop([], ["a", "b"]) == ("ab", False)
     # held-back prefix is flushed at the end
     assert _run_stop(["STOP"], ["abc ST"]) == ("abc ST", False)
+
+
+# --- the one EOS rule -------------------------------------------------------------------------
+
+
+class _VocabTok:
+    """Duck-typed tokenizer: an eos id and a vocabulary."""
+
+    def __init__(self, eos=None, vocab=None):
+        self.eos_token_id = eos
+        self._vocab = dict(vocab or {})
+
+    def get_vocab(self):
+        return dict(self._vocab)
+
+
+def _model(gen_eos=None, cfg_eos=None):
+    from types import SimpleNamespace
+
+    return SimpleNamespace(generation_config=SimpleNamespace(eos_token_id=gen_eos),
+                           config=SimpleNamespace(eos_token_id=cfg_eos))
+
+
+def test_stop_token_ids_is_the_union_of_every_source():
+    from polykv.generation import stop_token_ids
+
+    vocab = {"a": 3, "<|im_end|>": 9, "<end_of_turn>": 10, "<|eot_id|>": 11, "<|im_start|>": 12}
+    got = stop_token_ids(_VocabTok(eos=2, vocab=vocab), _model(gen_eos=[4, 5], cfg_eos=6))
+    assert got == {2, 4, 5, 6, 9, 10, 11}
+    assert stop_token_ids(_VocabTok(eos=2), None) == {2}
+    assert stop_token_ids(_VocabTok(vocab={"<end_of_turn>": 106}), _model(gen_eos=1)) == {1, 106}
+    assert stop_token_ids(_VocabTok(), _model(gen_eos=True, cfg_eos=[None])) == frozenset()
+
+
+def test_stop_token_ids_reads_the_text_config():
+    from transformers import Gemma3Config, Gemma3TextConfig
+
+    from polykv.generation import stop_token_ids
+
+    cfg = Gemma3Config(text_config=Gemma3TextConfig(vocab_size=64, eos_token_id=[1, 7]).to_dict())
+
+    class M:
+        config = cfg
+        generation_config = None
+
+    assert stop_token_ids(_VocabTok(), M()) == {1, 7}
+
+
+def test_sample_next_is_one_row_of_sample_rows():
+    from polykv.generation import sample_next, sample_rows
+
+    torch.manual_seed(0)
+    lg = torch.randn(4, 500) * 3
+    for t, p, k in [(1.0, 1.0, 0), (0.7, 0.9, 50), (1.3, 0.5, 0), (0.0, 1.0, 0), (2.0, 1.0, 1)]:
+        g1, g2 = torch.Generator().manual_seed(5), torch.Generator().manual_seed(5)
+        rows = [int(sample_rows(lg[i:i + 1], t, p, k, g1)[0]) for i in range(4)]
+        assert rows == [sample_next(lg[i], t, p, k, g2) for i in range(4)]
+    assert int(sample_rows(lg, 2.0, top_k=1, generator=torch.Generator())[0]) == int(lg[0].argmax())
+
+
+def test_find_stop_is_the_earliest_occurrence():
+    from polykv.generation import find_stop
+
+    assert find_stop("abc END xyz STOP", ["STOP", "END"]) == 4
+    assert find_stop("a ENSTOPD", ["END", "STOP"]) == 4
+    assert find_stop("abc", ["x", ""]) == -1
+    assert find_stop("abc", []) == -1

@@ -2,7 +2,7 @@
 
 from .dense import DenseBatch, DensePool
 from .engine import Engine, EngineClosedError, Event, GenerationRequest, KVBudgetExceeded, QueueFullError, RequestHandle
-from .sampling import Sampler, SamplingParams, StopChecker, sample_token
+from ..generation import Sampler, SamplingParams, StopChecker, sample_token
 
 __all__ = [
     "DenseBatch",

@@ -51,8 +51,8 @@ from typing import Any, Callable
 import torch
 
 from ..errors import BudgetExceededError, EngineClosedError, InvalidRequestError, QueueFullError, UnknownDocumentError
+from ..generation import Sampler, SamplingParams, StopChecker, stop_token_ids
 from .dense import DenseBatch
-from .sampling import Sampler, SamplingParams, StopChecker
 
 __all__ = ["Engine", "EngineClosedError", "Event", "GenerationRequest", "KVBudgetExceeded", "QueueFullError",
            "RequestHandle"]
@@ -173,7 +173,7 @@ class _Live:
 
     __slots__ = ("handle", "sampler", "stop", "tokens", "text_sent", "key", "aid", "eos")
 
-    def __init__(self, handle: RequestHandle, key, aid, eos: set[int]):
+    def __init__(self, handle: RequestHandle, key, aid, eos: frozenset[int]):
         p = handle.request.params
         self.handle = handle
         self.sampler = Sampler(p)
@@ -212,7 +212,7 @@ class Engine:
         self.max_waiting = max_waiting
         self.on_step = on_step
         self._plain_factory = plain_batch_factory or (lambda: DenseBatch(self.model))
-        self.eos_ids = _eos_ids(self.model, self.tok)
+        self.eos_ids = stop_token_ids(self.tok, self.model)
 
         self._inbox: queue.Queue = queue.Queue()  # ("submit", handle) | ("call", fn, fut) | ("wake",)
         self._waiting: deque[RequestHandle] = deque()
@@ -492,7 +492,7 @@ class Engine:
                     batch = self._batches[key] = self._new_batch(key)
                 aid = batch.add(list(req.prompt_ids))
                 self.check_budget()
-                st = _Live(h, key, aid, set() if req.params.ignore_eos else self.eos_ids)
+                st = _Live(h, key, aid, frozenset() if req.params.ignore_eos else self.eos_ids)
             except Exception as exc:
                 if aid is not None:
                     try:
@@ -682,14 +682,3 @@ def _usage(handle: RequestHandle, completion_tokens: int) -> dict:
     pt = len(handle.request.prompt_ids)
     return {"prompt_tokens": pt, "completion_tokens": completion_tokens, "total_tokens": pt + completion_tokens}
 
-
-def _eos_ids(model, tok) -> set[int]:
-    ids: set[int] = set()
-    for src in (getattr(getattr(model, "generation_config", None), "eos_token_id", None),
-                getattr(getattr(model, "config", None), "eos_token_id", None),
-                getattr(tok, "eos_token_id", None)):
-        if isinstance(src, int):
-            ids.add(src)
-        elif isinstance(src, (list, tuple)):
-            ids.update(int(x) for x in src if isinstance(x, int))
-    return ids

@@ -138,14 +138,15 @@ class AgentBatch:
     def step_tokens(self, temperature: float = 0.0, top_p: float = 1.0, top_k: int = 0,
                     generator: torch.Generator | None = None) -> dict[int, int]:
         """Run all pending tokens and choose each computed agent's next token on the device
-        (`sampling.sample_rows`: greedy when temperature <= 0; `generator` on the pool's device);
+        (`polykv.generation.sample_rows`: greedy when temperature <= 0 or top_k == 1; `generator` on
+        the pool's device);
         one device-to-host copy of the chosen ids per forward. Returns {aid: token id} for the
         agents that had pending tokens."""
-        from .sampling import sample_rows
+        from ..generation import is_greedy, sample_rows
 
         out: dict[int, int] = {}
         for group, logits, greedy in self._run_pending():
-            if temperature is None or temperature <= 0:
+            if is_greedy(temperature, top_k):
                 ids = greedy if greedy is not None else torch.argmax(logits, dim=-1)
             else:
                 ids = sample_rows(logits, temperature, top_p, top_k, generator)

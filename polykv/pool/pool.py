@@ -358,19 +358,19 @@ class SharedKVPool:
                  chat_template: bool = True) -> list[str]:
         """Answer every prompt as one agent over `doc`; all agents run in one batched forward per
         step. prompts: list[str] (see `prompt_ids`) or list[list[int]] (suffix ids). Greedy when
-        temperature == 0. Generation stops at the tokenizer/model EOS, at any `stop` string (cut
+        temperature == 0. Generation stops at `polykv.generation.stop_token_ids`, at any `stop` string (cut
         before it) or after max_new_tokens. Returns the decoded answers (special tokens skipped)."""
-        from .sampling import sample_next
+        from ..generation import find_stop, is_greedy, sample_next, stop_token_ids
 
         if isinstance(prompts, str):
             raise TypeError("prompts must be a list of prompts")
         t0 = time.perf_counter()
         suffixes = [self.prompt_ids(doc, p, chat_template) for p in prompts]
         stops = [stop] if isinstance(stop, str) else list(stop or [])
-        eos = self._eos_ids()
+        eos = stop_token_ids(self.tok, self.model)
         # Tokens are chosen on the device (one copy of the ids per step), except sampling on CPU,
         # which keeps drawing per agent from a CPU generator (seeded outputs as before).
-        on_device = temperature <= 0 or self.device.type != "cpu"
+        on_device = is_greedy(temperature, top_k) or self.device.type != "cpu"
         gen = None
         if seed is not None:
             gen = torch.Generator(device=self.device if on_device else "cpu").manual_seed(int(seed))
@@ -401,7 +401,7 @@ class SharedKVPool:
                     else:
                         outs[a].append(t)
                         done = len(outs[a]) >= max_new_tokens or (
-                            stops and any(s in self.tok.decode(outs[a], skip_special_tokens=True) for s in stops))
+                            stops and find_stop(self.tok.decode(outs[a], skip_special_tokens=True), stops) >= 0)
                     if done:
                         live.discard(a)
                     else:
@@ -414,26 +414,13 @@ class SharedKVPool:
         texts = []
         for a in aids:
             s = self.tok.decode(outs[a], skip_special_tokens=True)
-            for st in stops:
-                if st in s:
-                    s = s[: s.index(st)]
-            texts.append(s.strip())
+            cut = find_stop(s, stops)
+            texts.append((s[:cut] if cut >= 0 else s).strip())
         self.last_generate = dict(agents=len(prompts), steps=steps, suffix_tokens=[len(s) for s in suffixes],
                                   new_tokens=[len(outs[a]) for a in aids], kv_bytes_agents_peak=peak,
                                   suffix_ids=suffixes, answer_ids=[list(outs[a]) for a in aids],
                                   seconds=time.perf_counter() - t0)
         return texts
-
-    def _eos_ids(self) -> set[int]:
-        ids = set()
-        for src in (getattr(self.tok, "eos_token_id", None),
-                    getattr(getattr(self.model, "generation_config", None), "eos_token_id", None),
-                    getattr(self.model.config, "eos_token_id", None)):
-            if isinstance(src, int):
-                ids.add(src)
-            elif isinstance(src, (list, tuple)):
-                ids.update(int(x) for x in src)
-        return ids
 
     # --- memory ------------------------------------------------------------------------------
     def memory_report(self) -> dict:

@@ -5,6 +5,7 @@ padded bucket rows that touch nothing, and survive removal and storage growth.""
 import pytest
 import torch
 
+from polykv.generation import stop_token_ids
 from polykv.pool import SharedKVPool
 from polykv.pool.decode_graph import DecodeGraphs, bucket
 
@@ -86,7 +87,7 @@ def test_generate_greedy_unchanged_by_step_tokens(tiny):
             for a in aids:
                 want[a].append(nxt[a])
             b.feed(nxt)
-    eos = pool._eos_ids()
+    eos = stop_token_ids(pool.tok, pool.model)
     for a, g in zip(aids, got):
         w = want[a]
         cut = next((i for i, t in enumerate(w) if t in eos), len(w))
