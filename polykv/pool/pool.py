@@ -157,13 +157,12 @@ class SharedKVPool:
 
     def _doc_tokens(self, text_or_ids, chat_template: bool | None = None) -> tuple[list[int], bool, str]:
         """(prefix token ids, chat?, tail) of a document (see add_document)."""
-        from .prompting import chat_split
+        from ..hf.chat import document_split, has_chat_template
 
         chat, tail = False, ""
         if isinstance(text_or_ids, str):
-            use_chat = chat_template if chat_template is not None else bool(getattr(self.tok, "chat_template", None))
-            if use_chat:
-                prefix_text, tail = chat_split(self.tok, text_or_ids)
+            if chat_template if chat_template is not None else has_chat_template(self.tok):
+                prefix_text, tail = document_split(self.tok, text_or_ids)
                 ids = self.tok(prefix_text, add_special_tokens=False)["input_ids"]
                 chat = True
             else:
@@ -343,10 +342,20 @@ class SharedKVPool:
             self._enforce_budget()
 
     def prompt_ids(self, doc: str, prompt, chat_template: bool = True) -> list[int]:
-        """Suffix token ids of one agent. Token-id prompts are used verbatim. Text prompts: for a
-        chat document (and chat_template=True) the question continues the user turn and the turn is
-        closed with the generation prompt (`doc tail`); otherwise the text is tokenized plainly
-        (no special tokens). The full prompt of an agent is always doc ids + these ids."""
+        """Suffix token ids of one agent; its full prompt is always doc ids + these ids.
+
+        Token ids: used verbatim. Text: over a chat document (and chat_template=True) the question
+        continues the user turn and the turn is closed with the generation prompt (`doc tail`);
+        otherwise the text is tokenized plainly (no special tokens). A conversation (a list of
+        {"role", "content"} messages): over a chat document, its rendering after the document's
+        place (`polykv.hf.chat.conversation_tail`); otherwise the whole rendered conversation
+        (`conversation_ids`)."""
+        if isinstance(prompt, (list, tuple)) and prompt and isinstance(prompt[0], dict):
+            from ..hf.chat import conversation_ids, conversation_tail
+
+            if chat_template and self._doc(doc).chat:
+                return self.tok(conversation_tail(self.tok, prompt), add_special_tokens=False)["input_ids"]
+            return conversation_ids(self.tok, prompt)
         if not isinstance(prompt, str):
             return [int(t) for t in prompt]
         d = self._doc(doc)
@@ -357,7 +366,7 @@ class SharedKVPool:
                  top_p: float = 1.0, top_k: int = 0, seed: int | None = None, stop=None,
                  chat_template: bool = True) -> list[str]:
         """Answer every prompt as one agent over `doc`; all agents run in one batched forward per
-        step. prompts: list[str] (see `prompt_ids`) or list[list[int]] (suffix ids). Greedy when
+        step. prompts: a list of texts, conversations or suffix id lists (see `prompt_ids`). Greedy when
         temperature == 0. Generation stops at `polykv.generation.stop_token_ids`, at any `stop` string (cut
         before it) or after max_new_tokens. Returns the decoded answers (special tokens skipped)."""
         from ..generation import find_stop, is_greedy, sample_next, stop_token_ids
