@@ -15,7 +15,7 @@ _LAZY = {
     "capture_kv": ("polykv.hf.capture", "capture_kv"),
     "calibrate_innerq": ("polykv.hf.capture", "calibrate_innerq"),
     "load_model": ("polykv.hf.loading", "load_model"),
-    "kv_layout": ("polykv.hf.loading", "kv_layout"),
+    "kv_layout": ("polykv.hf.layout", "kv_layout"),
 }
 
 __all__ = ["ATTN_NAME", "activate", "active_cache", "polykv_attention", "register",

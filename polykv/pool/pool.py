@@ -92,7 +92,7 @@ class SharedKVPool:
                  budget_bytes: int | None = None, innerq=None, prefill_chunk: int | None = None,
                  progress: bool | None = None, preset: str | None = None):
         from ..hf.attention import use_polykv_attention
-        from ..hf.loading import kv_layout
+        from ..hf.layout import kv_layout
         from ..presets import resolve
 
         k, v, innerq = resolve(preset, k, v, innerq)

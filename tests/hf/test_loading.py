@@ -1,4 +1,4 @@
-"""polykv.hf.loading: registry, errors, KV layout, GGUF -> safetensors cache round trip."""
+"""polykv.hf.loading (registry, errors), hf.gguf (conversion cache), hf.layout (KV layout), hf.fingerprint."""
 
 from __future__ import annotations
 
