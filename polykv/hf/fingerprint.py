@@ -1,4 +1,9 @@
-"""Fingerprints of a model's weights and of a tokenizer: what pool persistence checks a save against."""
+"""Fingerprints of a model's weights and of a tokenizer: the one `model_fingerprint`.
+
+Pool persistence checks a save against `model_fingerprint` / `tokenizer_fingerprint`; the InnerQ
+table calibrated for a model is found by `innerq_key` (its first 16 hex digits, after the model type)
+under `polykv.paths.cache_dir("innerq")`.
+"""
 
 from __future__ import annotations
 
@@ -6,10 +11,11 @@ import hashlib
 import json
 import os
 import weakref
+from pathlib import Path
 
 import torch
 
-__all__ = ["model_fingerprint", "tokenizer_fingerprint"]
+__all__ = ["innerq_key", "innerq_path", "model_fingerprint", "tokenizer_fingerprint"]
 
 _VOLATILE_CONFIG_KEYS = {
     "_name_or_path",
@@ -111,3 +117,15 @@ def tokenizer_fingerprint(tok) -> str:
     template = getattr(tok, "chat_template", None)
     h.update(json.dumps(template, sort_keys=True, default=str).encode())
     return h.hexdigest()
+
+
+def innerq_key(model) -> str:
+    """"<model_type>-<first 16 hex of model_fingerprint>": names the model's InnerQ table."""
+    return f"{getattr(model.config, 'model_type', 'model')}-{model_fingerprint(model)[:16]}"
+
+
+def innerq_path(model) -> Path:
+    """Where the InnerQ table calibrated for `model` lives: cache_dir("innerq")/<innerq_key>.safetensors."""
+    from ..paths import cache_dir
+
+    return cache_dir("innerq") / f"{innerq_key(model)}.safetensors"

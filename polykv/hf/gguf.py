@@ -1,7 +1,8 @@
 """GGUF files -> a converted Hugging Face directory in polykv's model cache (no network).
 
 Loading a GGUF file dequantizes every tensor (13-60 s on two cores). The first load therefore
-converts once into a cache directory (``$POLYKV_CACHE_DIR`` or ``~/.cache/polykv/models``)::
+converts once into a cache directory (`cache_root()`: ``$POLYKV_CACHE_DIR/models``, default
+``~/.cache/polykv/models``)::
 
     <root>/<name>-<key>/model.safetensors      float32 state dict (tied lm_head dropped)
                         config.json            quantization_config removed
@@ -47,11 +48,11 @@ class ModelNotAvailableError(RuntimeError):
 
 
 def cache_root() -> Path:
-    """Where converted models live: ``$POLYKV_CACHE_DIR`` or ``~/.cache/polykv/models``."""
-    env = os.environ.get("POLYKV_CACHE_DIR")
-    if env:
-        return Path(env).expanduser()
-    return Path.home() / ".cache" / "polykv" / "models"
+    """Where converted models live: ``polykv.paths.cache_dir("models")`` (``$POLYKV_CACHE_DIR/models``,
+    default ``~/.cache/polykv/models``)."""
+    from ..paths import cache_dir
+
+    return cache_dir("models")
 
 
 def ensure_gguf_cache(gguf: Path) -> Path:

@@ -111,7 +111,7 @@ class SharedKVPool:
         if innerq == "auto" and not str(k).startswith("turbo"):
             innerq = None  # InnerQ applies to turbo keys only: no fingerprint, no table lookup
         if innerq == "auto":  # the table calibrated for this model, when there is one
-            from ..hf.kv_cache import innerq_path
+            from ..hf.fingerprint import innerq_path
 
             path = innerq_path(model)
             innerq = path if path.exists() else None

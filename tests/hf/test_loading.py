@@ -53,6 +53,42 @@ def test_missing_package_error_names_pip_command(monkeypatch, tmp_path, name):
     assert not any(tmp_path.iterdir())  # nothing converted or written
 
 
+@pytest.mark.parametrize("env", [None, "", "~/pkv", "ABS"])
+def test_one_meaning_of_polykv_cache_dir(monkeypatch, tmp_path, env):
+    """Converted models, codebooks and InnerQ tables all live under one root: $POLYKV_CACHE_DIR
+    (unset or empty: ~/.cache/polykv; "~" expanded)."""
+    from polykv.hf import gguf
+    from polykv.hf.fingerprint import innerq_path
+    from polykv.paths import cache_dir
+
+    from ..pool.conftest import tiny_llama
+
+    monkeypatch.setenv("HOME", str(tmp_path / "home"))
+    if env is None:
+        monkeypatch.delenv("POLYKV_CACHE_DIR", raising=False)
+    else:
+        monkeypatch.setenv("POLYKV_CACHE_DIR", str(tmp_path / "abs") if env == "ABS" else env)
+    root = {None: tmp_path / "home/.cache/polykv", "": tmp_path / "home/.cache/polykv",
+            "~/pkv": tmp_path / "home/pkv", "ABS": tmp_path / "abs"}[env]
+    assert gguf.cache_root() == loading.cache_root() == root / "models"
+    assert cache_dir("codebooks") == root / "codebooks"
+    assert innerq_path(tiny_llama()).parent == root / "innerq"
+    assert sorted(p.name for p in root.iterdir()) == ["codebooks", "innerq", "models"]
+
+
+def test_one_model_fingerprint_names_the_innerq_table():
+    from polykv.hf import kv_cache
+    from polykv.hf.fingerprint import innerq_key, innerq_path
+
+    from ..pool.conftest import tiny_llama
+
+    m = tiny_llama()
+    assert innerq_key(m) == "llama-" + model_fingerprint(m)[:16]
+    assert innerq_path(m).name == innerq_key(m) + ".safetensors"
+    assert kv_cache.innerq_path(m) == innerq_path(m)  # KVCache(innerq="auto") finds the same file
+    assert innerq_key(tiny_llama(seed=1)) != innerq_key(m)
+
+
 def test_kv_layout_llama_config():
     from transformers import LlamaConfig
 
@@ -121,8 +157,9 @@ def smollm2_two_loads(tmp_path_factory):
 @pytest.mark.model
 def test_smollm2_cache_round_trip(smollm2_two_loads):
     cache, (m1, t1), (m2, t2) = smollm2_two_loads
-    # exactly one published directory, no temp leftovers, tied lm_head not stored
-    dirs = [p for p in cache.iterdir() if p.is_dir()]
+    # exactly one published directory (in $POLYKV_CACHE_DIR/models), no temp leftovers, tied lm_head not stored
+    assert [p.name for p in cache.iterdir()] == ["models"]
+    dirs = [p for p in (cache / "models").iterdir() if p.is_dir()]
     assert [p.name.startswith("smollm2-135m-") for p in dirs] == [True]
     from safetensors import safe_open
 
@@ -161,7 +198,7 @@ def test_smollm2_layout_and_sanity(smollm2_two_loads):
 
 @pytest.mark.model
 def test_gemma3_load_and_layout():
-    # Uses the default cache ($POLYKV_CACHE_DIR or ~/.cache/polykv/models): ~60-100 s the first time.
+    # Uses the default cache ($POLYKV_CACHE_DIR/models, ~/.cache/polykv/models): ~60-100 s the first time.
     m, tok = load_model("gemma3-270m")
     layout = kv_layout(m)
     assert len(layout) == 18
