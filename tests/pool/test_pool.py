@@ -172,10 +172,11 @@ def test_sampling_seeded_and_stop(tiny):
     a = pool.generate(doc, [[5, 6]] * 3, max_new_tokens=8, temperature=1.0, top_p=0.9, top_k=20, seed=7)
     b = pool.generate(doc, [[5, 6]] * 3, max_new_tokens=8, temperature=1.0, top_p=0.9, top_k=20, seed=7)
     assert a == b
-    full = pool.generate(doc, [[5, 6]], max_new_tokens=8)[0]
-    if len(full) > 3:
-        cut = pool.generate(doc, [[5, 6]], max_new_tokens=8, stop=[full[2:4]])[0]
-        assert cut == full[: full.index(full[2:4])].strip()
+    full = pool.generate(doc, [[40, 41, 42]], max_new_tokens=8)[0]  # 8 tokens: no eos on the way
+    assert len(full) == 8, full
+    cut = pool.generate(doc, [[40, 41, 42]], max_new_tokens=8, stop=[full[2:4]])[0]
+    assert cut == full[: full.index(full[2:4])].strip()
+    assert len(pool.last_generate["answer_ids"][0]) < 8  # the stop string ended the generation
 
 
 def test_innerq_turbo_keys_and_persistence(tiny, tmp_path):
