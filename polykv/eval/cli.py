@@ -31,14 +31,17 @@ PRESET_HELP = ("KV preset: default (K q8_0 / V turbo3), balanced (K turbo4+Inner
                "max (K turbo3+InnerQ auto / V turbo2); --k / --v / --innerq override it")
 
 
-def _load(model: Optional[str], threads: Optional[int]):
+DEVICE_HELP = "torch device of the model and the caches (default: cpu)"
+
+
+def _load(model: Optional[str], threads: Optional[int], device: Optional[str] = None):
     import torch
 
     if threads:
         torch.set_num_threads(threads)
     from ..hf.loading import load_model
 
-    return load_model(model)
+    return load_model(model, device=device)
 
 
 def _innerq(value: Optional[str]):
@@ -105,14 +108,14 @@ def ppl(preset: Optional[str] = typer.Option(None, "--preset", help=PRESET_HELP)
         innerq: Optional[str] = typer.Option(None, "--innerq", help=INNERQ_HELP),
         keep_layers_q8: int = typer.Option(0, "--keep-layers-q8", help="first/last n layers stored as q8_0"),
         threads: Optional[int] = typer.Option(None, "--threads", help="torch CPU threads"),
+        device: Optional[str] = typer.Option(None, "--device", help=DEVICE_HELP),
         as_json: bool = typer.Option(False, "--json", help="print one JSON object")):
     """Perplexity with compressed KV vs f16 KV (fields: ppl, ppl_ref, delta_pct, tokens)."""
     k, v, iq = resolve_kv(preset, k, v, innerq)
     from .ppl import eval_ppl
 
-    m, tok = _load(model, threads)
-    r = eval_ppl(m, tok, k, v, ctx, text=text, windows=windows, innerq=iq,
-                 keep_layers_q8=keep_layers_q8)
+    m, tok = _load(model, threads, device)
+    r = eval_ppl(m, tok, k, v, ctx, text=text, windows=windows, innerq=iq, keep_layers_q8=keep_layers_q8)
     r["preset"] = preset
     _emit(r, as_json, lambda r: _kv_table(f"ppl K {k} / V {v} @ {ctx}", r,
                                           ["ppl", "ppl_ref", "delta_pct", "tokens", "windows", "kv_bytes",
@@ -130,12 +133,13 @@ def equiv(preset: Optional[str] = typer.Option(None, "--preset", help=PRESET_HEL
           innerq: Optional[str] = typer.Option(None, "--innerq", help=INNERQ_HELP),
           keep_layers_q8: int = typer.Option(0, "--keep-layers-q8"),
           threads: Optional[int] = typer.Option(None, "--threads"),
+          device: Optional[str] = typer.Option(None, "--device", help=DEVICE_HELP),
           as_json: bool = typer.Option(False, "--json")):
     """Logit equivalence vs f16 KV (fields: real_frac, mean_tv, p95_tv, recall_mismatch, n, verdict)."""
     k, v, iq = resolve_kv(preset, k, v, innerq)
     from .equiv import eval_equiv
 
-    m, tok = _load(model, threads)
+    m, tok = _load(model, threads, device)
     from .common import load_prompts
 
     plist = load_prompts(prompts)[:limit] if limit else prompts
@@ -148,27 +152,45 @@ def equiv(preset: Optional[str] = typer.Option(None, "--preset", help=PRESET_HEL
 
 
 @app.command()
-def ruler(task: str = typer.Option("niah", "--task", help="niah or vt"),
-          ctx: int = typer.Option(2048, "--ctx"),
+def ruler(task: str = typer.Option("niah", "--task", help="niah, vt or codes (random-string needles)"),
+          ctx: Optional[int] = typer.Option(None, "--ctx", help="prompt tokens (default 2048); codes: "
+                                            "1024, 2048 or 4096 (default: all three)"),
           preset: Optional[str] = typer.Option(None, "--preset", help=PRESET_HELP),
           k: Optional[str] = typer.Option(None, "--k", help=K_HELP),
           v: Optional[str] = typer.Option(None, "--v", help=V_HELP),
-          samples: int = typer.Option(20, "--samples"), seed: int = typer.Option(0, "--seed"),
+          samples: Optional[int] = typer.Option(None, "--samples", help="samples (default 20); codes: the "
+                                                "first S of each length (default: all 16)"),
+          seed: int = typer.Option(0, "--seed", help="sample seed (codes: 0 is the bundled code_prompts.jsonl)"),
           model: Optional[str] = typer.Option(None, "--model", help=MODEL_HELP),
-          text: Optional[Path] = typer.Option(None, "--text", help="filler text file (default: Pride and Prejudice)"),
+          text: Optional[Path] = typer.Option(None, "--text", help="filler text file (default: Pride and "
+                                              "Prejudice; not for codes)"),
           innerq: Optional[str] = typer.Option(None, "--innerq", help=INNERQ_HELP),
           threads: Optional[int] = typer.Option(None, "--threads"),
+          device: Optional[str] = typer.Option(None, "--device", help=DEVICE_HELP),
+          details: bool = typer.Option(False, "--details", help="add every sample's answers (field: items)"),
+          reference: Optional[Path] = typer.Option(None, "--reference", help="JSON of an f16 run of the same "
+                                                   "task/seed/samples with --details: reused as score_ref"),
           as_json: bool = typer.Option(False, "--json")):
-    """RULER-style niah / vt (fields: score, score_ref, samples)."""
-    k, v, iq = resolve_kv(preset, k, v, innerq)
-    if task not in ("niah", "vt"):
-        raise typer.BadParameter(f"unknown task {task!r}; valid tasks: niah, vt")
-    from .ruler import eval_ruler
+    """RULER-style niah / vt / codes (fields: score, score_ref, samples; codes add by_ctx, by_kind)."""
+    from .ruler import TASKS, eval_ruler, make_samples
 
-    m, tok = _load(model, threads)
-    r = eval_ruler(m, tok, task, ctx, k, v, samples, seed, innerq=iq, text=text)
+    k, v, iq = resolve_kv(preset, k, v, innerq)
+    if task not in TASKS:
+        raise typer.BadParameter(f"unknown task {task!r}; valid tasks: {', '.join(TASKS)}")
+    if task == "codes":
+        try:
+            make_samples(None, task, ctx, samples, seed, text)
+        except ValueError as e:
+            raise typer.BadParameter(str(e)) from None
+    ref = json.loads(reference.read_text(encoding="utf-8")) if reference is not None else None
+    m, tok = _load(model, threads, device)
+    try:
+        r = eval_ruler(m, tok, task, ctx, k, v, samples, seed, innerq=iq, text=text, details=details,
+                       reference=ref)
+    except ValueError as e:
+        raise typer.BadParameter(str(e)) from None
     r["preset"] = preset
-    _emit(r, as_json, lambda r: _kv_table(f"ruler {task} @ {ctx} K {k} / V {v}", r,
+    _emit(r, as_json, lambda r: _kv_table(f"ruler {task} @ {r['ctx']} K {k} / V {v}", r,
                                           ["score", "score_ref", "samples", "seconds"]))
 
 
@@ -188,6 +210,7 @@ def tiers(ctx: int = typer.Option(2048, "--ctx"),
           max_new_tokens: int = typer.Option(24, "--max-new-tokens"),
           markdown: bool = typer.Option(False, "--markdown", help="print a Markdown table"),
           threads: Optional[int] = typer.Option(None, "--threads"),
+          device: Optional[str] = typer.Option(None, "--device", help=DEVICE_HELP),
           as_json: bool = typer.Option(False, "--json")):
     """Every KV tier and the asymmetric presets (field: rows)."""
     from .tiers import eval_tiers, named_presets, to_markdown
@@ -196,7 +219,7 @@ def tiers(ctx: int = typer.Option(2048, "--ctx"),
         rows = named_presets(preset) if preset is not None else None
     except ValueError as e:
         raise typer.BadParameter(str(e)) from None
-    m, tok = _load(model, threads)
+    m, tok = _load(model, threads, device)
     from .common import load_prompts
 
     plist = load_prompts(prompts)[:limit] if limit else prompts

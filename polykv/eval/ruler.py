@@ -6,14 +6,20 @@ niah: one "The special magic number for <key> is: <7 digits>." sentence hidden i
 vt:   variable tracking: "VAR <A> = <5 digits>." then hops "VAR <B> = <A>." ... (one chain of 5
       variables, 4 hops) scattered through the filler in order. Question: which variables are
       assigned the value. Correct (exact) when the answer names every variable of the chain.
+codes: random strings (8-digit numbers, digit combinations, hyphenated passwords, hex ids, serial
+      keys, mixed-case tokens, uuid prefixes, ip:port) in technical prose or the novel, 16 prompts at
+      each of 1024 / 2048 / 4096 nominal tokens (polykv/data/make_codes.py; seed 0 is the bundled
+      code_prompts.jsonl). --ctx picks one length (default: all three), --samples the first S of
+      each. Correct when the answer holds the code exactly, as a whole string (`code_found`).
 The generation prompt is followed by a RULER-style answer prefix ("The special magic number for
-<key> is:" / "... they are:"), so the model answers directly.
+<key> is:" / "... they are:" / "The <thing> is"), so the model answers directly.
 score = % of samples correct with the cache under test; score_ref = the same with f16 KV.
 """
 
 from __future__ import annotations
 
 import random
+import re
 import string
 import time
 
@@ -22,7 +28,8 @@ import torch
 from .common import decode_steps, eos_ids, format_prompt, load_text, make_cache, prefill
 from .common import progress as _bar
 
-TASKS = ("niah", "vt")
+TASKS = ("niah", "vt", "codes")
+CODES_MAX_NEW = 32
 _WORDS = ("amber", "falcon", "harbor", "meadow", "copper", "willow", "summit", "lantern", "orchid",
           "glacier", "saffron", "ember", "cobalt", "thistle", "juniper", "marble", "canyon", "velvet",
           "raven", "quartz", "pepper", "cedar", "topaz", "breeze")
@@ -90,9 +97,39 @@ def make_sample(tok, task: str, ctx: int, rng: random.Random, depth: float, para
     raise ValueError(f"unknown task {task!r}; valid tasks: {', '.join(TASKS)}")
 
 
-def make_samples(tok, task: str, ctx: int, samples: int, seed: int, text=None) -> list[dict]:
+def code_found(code: str, answer: str) -> bool:
+    """The code appears in the answer exactly and whole: not inside a longer run of letters / digits
+    nor continued by another hyphenated group ("12-34" is not found in "12-345" or "12-34-56")."""
+    pat = r"(?<![A-Za-z0-9-])" + re.escape(code) + r"(?![A-Za-z0-9]|-[A-Za-z0-9])"
+    return re.search(pat, answer) is not None
+
+
+def code_samples(ctx: int | None, samples: int | None, seed: int, text=None) -> list[dict]:
+    """The codes set (make_codes.make(seed)): every length, or the `ctx` one; the first `samples` of each."""
+    from ..data.make_codes import CTXS, make
+
+    if text is not None:
+        raise ValueError("--text does not apply to the codes task (its filler is bundled: make_codes.py)")
+    if ctx is not None and ctx not in CTXS:
+        raise ValueError(f"codes: ctx must be one of {', '.join(map(str, CTXS))} (or none for all), got {ctx}")
+    if samples is not None and samples < 1:
+        raise ValueError(f"samples must be >= 1, got {samples}")
+    out = []
+    for c in (CTXS if ctx is None else (ctx,)):
+        rows = [r for r in make(seed) if r["ctx"] == c][:samples]
+        out += [{"context": r["context"], "question": r["question"], "answers": [r["needle"]],
+                 "depth": r["depth"], "prefix": r["prefix"], "id": r["id"], "kind": r["kind"],
+                 "genre": r["genre"], "ctx": c} for r in rows]
+    return out
+
+
+def make_samples(tok, task: str, ctx: int | None, samples: int | None, seed: int, text=None) -> list[dict]:
     if task not in TASKS:
         raise ValueError(f"unknown task {task!r}; valid tasks: {', '.join(TASKS)}")
+    if task == "codes":
+        return code_samples(ctx, samples, seed, text)
+    ctx = 2048 if ctx is None else ctx
+    samples = 20 if samples is None else samples
     if samples < 1:
         raise ValueError(f"samples must be >= 1, got {samples}")
     rng = random.Random(seed)
@@ -101,7 +138,8 @@ def make_samples(tok, task: str, ctx: int, samples: int, seed: int, text=None) -
 
 
 @torch.inference_mode()
-def _score(model, tok, items, k, v, innerq, keep_layers_q8, max_new, show) -> tuple[list[bool], list[str]]:
+def _score(model, tok, items, k, v, innerq, keep_layers_q8, max_new, show,
+           match=None) -> tuple[list[bool], list[str]]:
     stop = eos_ids(tok, model)
     ok, answers = [], []
     for it in _bar(items, desc=f"ruler {k}/{v}", enabled=show):
@@ -110,39 +148,69 @@ def _score(model, tok, items, k, v, innerq, keep_layers_q8, max_new, show) -> tu
         toks, _ = decode_steps(model, cache, first, max_new, stop)
         ans = tok.decode(toks, skip_special_tokens=True)
         answers.append(ans)
-        ok.append(all(a in ans for a in it["answers"]))
+        ok.append(all((match(a, ans) if match else a in ans) for a in it["answers"]))
         del cache
     return ok, answers
 
 
-def eval_ruler(model, tok, task: str = "niah", ctx: int = 2048, k: str = "q8_0", v: str = "turbo3",
-               samples: int = 20, seed: int = 0, innerq=None, keep_layers_q8: int = 0, text=None,
-               progress: bool = True, max_new_tokens: int | None = None, details: bool = False) -> dict:
-    """RULER-style niah / vt at about `ctx` prompt tokens; returns {score, score_ref, samples, ...}
-    (scores in % of samples answered exactly, reference = f16 KV)."""
+def _breakdown(items, ok, ok_ref, key) -> dict:
+    out = {}
+    for it, o, r in zip(items, ok, ok_ref):
+        d = out.setdefault(str(it[key]), {"n": 0, "correct": 0, "correct_ref": 0})
+        d["n"] += 1
+        d["correct"] += o
+        d["correct_ref"] += r
+    for d in out.values():
+        d["score"], d["score_ref"] = 100.0 * d["correct"] / d["n"], 100.0 * d["correct_ref"] / d["n"]
+    return out
+
+
+def eval_ruler(model, tok, task: str = "niah", ctx: int | None = 2048, k: str = "q8_0", v: str = "turbo3",
+               samples: int | None = 20, seed: int = 0, innerq=None, keep_layers_q8: int = 0, text=None,
+               progress: bool = True, max_new_tokens: int | None = None, details: bool = False,
+               reference: dict | None = None) -> dict:
+    """RULER-style niah / vt at about `ctx` prompt tokens, or the codes set; returns {score,
+    score_ref, samples, ...} (scores in % of samples answered exactly, reference = f16 KV).
+    ctx / samples None: 2048 / 20 for niah and vt, every length / every prompt for codes.
+    reference: the details=True result of an f16 run on the same samples (skips the f16 runs).
+    codes add by_ctx and by_kind: {key: {n, correct, correct_ref, score, score_ref}}."""
     t0 = time.time()
     items = make_samples(tok, task, ctx, samples, seed, text)
     for it in items:
         it["ids"] = format_prompt(tok, it["context"], it["question"], it["prefix"])
-    max_new = max_new_tokens or (12 if task == "niah" else 30)
-    ok, answers = _score(model, tok, items, k, v, innerq, keep_layers_q8, max_new, progress)
-    if (k, v) == ("f16", "f16") and not keep_layers_q8:
+    max_new = max_new_tokens or {"niah": 12, "vt": 30, "codes": CODES_MAX_NEW}[task]
+    match = code_found if task == "codes" else None
+    ok, answers = _score(model, tok, items, k, v, innerq, keep_layers_q8, max_new, progress, match)
+    if reference is not None:
+        ref_items = reference.get("items") or []
+        if (reference.get("task"), reference.get("seed"), len(ref_items)) != (task, seed, len(items)) or any(
+                r["answers"] != it["answers"] for r, it in zip(ref_items, items)):
+            raise ValueError("reference: not a details=True result on the same task, seed and samples")
+        ok_ref, answers_ref = [r["ok"] for r in ref_items], [r["answer"] for r in ref_items]
+    elif (k, v) == ("f16", "f16") and not keep_layers_q8:
         ok_ref, answers_ref = ok, answers
     else:
-        ok_ref, answers_ref = _score(model, tok, items, "f16", "f16", None, 0, max_new, progress)
+        ok_ref, answers_ref = _score(model, tok, items, "f16", "f16", None, 0, max_new, progress, match)
     n = len(items)
     out = {
         "score": 100.0 * sum(ok) / n, "score_ref": 100.0 * sum(ok_ref) / n, "samples": n,
-        "task": task, "ctx": ctx, "k": k, "v": v, "seed": seed,
+        "task": task, "ctx": ctx if task != "codes" else sorted({it["ctx"] for it in items}),
+        "k": k, "v": v, "seed": seed,
         "prompt_tokens": {"min": min(len(it["ids"]) for it in items),
                           "max": max(len(it["ids"]) for it in items)},
         "seconds": round(time.time() - t0, 1),
     }
+    if task == "codes":
+        out["by_ctx"] = _breakdown(items, ok, ok_ref, "ctx")
+        for key, d in out["by_ctx"].items():
+            lens = [len(it["ids"]) for it in items if str(it["ctx"]) == key]
+            d["prompt_tokens"] = {"min": min(lens), "max": max(lens)}
+        out["by_kind"] = _breakdown(items, ok, ok_ref, "kind")
     if details:
-        out["items"] = [{"depth": it["depth"], "answers": it["answers"], "answer": a, "ok": o,
-                         "answer_ref": ar, "ok_ref": orf}
+        out["items"] = [{"id": it.get("id"), "depth": it["depth"], "answers": it["answers"], "answer": a,
+                         "ok": o, "answer_ref": ar, "ok_ref": orf, "prompt_tokens": len(it["ids"])}
                         for it, a, o, ar, orf in zip(items, answers, ok, answers_ref, ok_ref)]
     return out
 
 
-__all__ = ["TASKS", "eval_ruler", "make_samples"]
+__all__ = ["TASKS", "code_found", "code_samples", "eval_ruler", "make_samples"]
