@@ -102,6 +102,9 @@ def ppl(preset: Optional[str] = typer.Option(None, "--preset", help=PRESET_HELP)
         k: Optional[str] = typer.Option(None, "--k", help=K_HELP),
         v: Optional[str] = typer.Option(None, "--v", help=V_HELP),
         ctx: int = typer.Option(2048, "--ctx", help="window length in tokens"),
+        method: str = typer.Option("windows", "--method", help="windows (DESIGN §7: half prefilled, half "
+                                   "scored in chunks of 64) or prefill-score (the PolyKV reference's: 70 % "
+                                   "prefilled, 30 % scored in one pass; one window unless --windows)"),
         model: Optional[str] = typer.Option(None, "--model", help=MODEL_HELP),
         text: Optional[Path] = typer.Option(None, "--text", help="UTF-8 text file (default: bundled Pride and Prejudice)"),
         windows: Optional[int] = typer.Option(None, "--windows", help="number of ctx windows (default: 8192 tokens' worth)"),
@@ -110,16 +113,21 @@ def ppl(preset: Optional[str] = typer.Option(None, "--preset", help=PRESET_HELP)
         threads: Optional[int] = typer.Option(None, "--threads", help="torch CPU threads"),
         device: Optional[str] = typer.Option(None, "--device", help=DEVICE_HELP),
         as_json: bool = typer.Option(False, "--json", help="print one JSON object")):
-    """Perplexity with compressed KV vs f16 KV (fields: ppl, ppl_ref, delta_pct, tokens)."""
+    """Perplexity with compressed KV vs f16 KV (fields: ppl, ppl_ref, delta_pct, tokens; prefill-score
+    adds kv_bytes_held, kv_bytes, kv_bytes_f16, bytes_ratio_held, bytes_ratio)."""
     k, v, iq = resolve_kv(preset, k, v, innerq)
-    from .ppl import eval_ppl
+    if method not in ("windows", "prefill-score"):
+        raise typer.BadParameter(f"unknown method {method!r}; valid methods: windows, prefill-score")
+    from .ppl import eval_ppl, eval_prefill_score
 
     m, tok = _load(model, threads, device)
-    r = eval_ppl(m, tok, k, v, ctx, text=text, windows=windows, innerq=iq, keep_layers_q8=keep_layers_q8)
+    run = eval_ppl if method == "windows" else eval_prefill_score
+    r = run(m, tok, k, v, ctx, text=text, windows=windows, innerq=iq, keep_layers_q8=keep_layers_q8)
     r["preset"] = preset
     _emit(r, as_json, lambda r: _kv_table(f"ppl K {k} / V {v} @ {ctx}", r,
                                           ["ppl", "ppl_ref", "delta_pct", "tokens", "windows", "kv_bytes",
-                                           "bits_per_value", "seconds"]))
+                                           "bits_per_value", "kv_bytes_held", "kv_bytes_f16",
+                                           "bytes_ratio_held", "bytes_ratio", "seconds"]))
 
 
 @app.command()

@@ -8,6 +8,15 @@ tokens per window: ctx - ctx//2 (the prefill's last logit predicts the first sco
 Δ% = (ppl / ppl_ref - 1) * 100 where the reference is the same procedure with f16 KV.
 
 --text FILE: any UTF-8 text file; it must hold at least `ctx` tokens.
+
+method "prefill-score" (`eval_prefill_score`, the PolyKV reference's own method): per window of
+`ctx` tokens, the first round(0.7 * ctx) tokens are prefilled into the cache under test in one
+forward; the remaining tokens are scored teacher-forced in one more forward that attends to that
+compressed prefix (and, exactly, to its own tokens). Scored tokens per window: ctx - round(0.7 * ctx)
+(the prefill's last logit predicts the first one). Bytes are measured on the caches right after the
+prefill (the compressed prefix everything is scored against): kv_bytes_held = storage as allocated
+(growth slack included), kv_bytes = the same storage compacted to its rows; kv_bytes_f16 = the f16
+cache of the same prefix, compacted. Each from `untyped_storage().nbytes()` (KVCache.nbytes).
 """
 
 from __future__ import annotations
@@ -21,6 +30,7 @@ from .common import load_text, make_cache, model_device
 from .common import progress as _bar
 
 CHUNK = 64
+PREFIX_FRAC = 0.7  # prefill-score: share of each window prefilled (the PolyKV reference's split)
 
 
 def default_windows(ctx: int) -> int:
@@ -93,6 +103,62 @@ def score_window(model, cache, ids: list[int], chunk: int = CHUNK) -> tuple[floa
     return nll, count
 
 
+@torch.inference_mode()
+def score_prefill(model, cache, ids: list[int], frac: float = PREFIX_FRAC) -> dict:
+    """Prefill round(frac * n) tokens in one forward, score the rest in one forward against that
+    prefix. Returns {nll (nats, summed), tokens (scored), prefix, bytes_held, bytes} (bytes: the
+    cache after the prefill, as allocated / compacted)."""
+    n = len(ids)
+    split = round(frac * n)
+    if not 1 <= split < n:
+        raise ValueError(f"prefix of {split} tokens out of {n}: need 1 <= prefix < tokens")
+    x = torch.tensor(ids, device=model_device(model))[None]
+    out = model(input_ids=x[:, :split], past_key_values=cache, use_cache=True, logits_to_keep=1)
+    held = cache.nbytes()
+    cache.compact()
+    compact = cache.nbytes()
+    lg = out.logits[0, -1:].float()
+    if split < n - 1:  # x[n-1] is scored, never fed
+        out = model(input_ids=x[:, split:n - 1], past_key_values=cache, use_cache=True)
+        lg = torch.cat([lg, out.logits[0].float()], 0)
+    lp = torch.log_softmax(lg, -1)
+    nll = -float(lp.gather(1, x[0, split:, None]).sum())
+    return {"nll": nll, "tokens": n - split, "prefix": split, "bytes_held": held, "bytes": compact}
+
+
+def eval_prefill_score(model, tok, k: str = "q8_0", v: str = "turbo3", ctx: int = 2048, text=None,
+                       windows: int | None = 1, innerq=None, keep_layers_q8: int = 0,
+                       frac: float = PREFIX_FRAC, progress: bool = True, skip_tokens: int = 0) -> dict:
+    """Perplexity by the reference's method (module docstring), K/V stored as k/v vs f16 KV.
+    windows: consecutive ctx-token windows (default one: the first ctx tokens of the text).
+    Returns {ppl, ppl_ref, delta_pct, tokens, kv_bytes_held, kv_bytes, kv_bytes_f16, bytes_ratio_held,
+    bytes_ratio, ...}; bytes are summed over windows."""
+    t0 = time.time()
+    wins = corpus_windows(tok, load_text(text), ctx, 1 if windows is None else windows, skip_tokens)
+    runs = {}
+    for key, (kk, vv, iq, keep) in {"test": (k, v, innerq, keep_layers_q8), "ref": ("f16", "f16", None, 0)}.items():
+        tot = {"nll": 0.0, "tokens": 0, "prefix": 0, "bytes_held": 0, "bytes": 0}
+        for ids in _bar(wins, desc=f"prefill-score {kk}/{vv} ctx={ctx}", enabled=progress):
+            cache = make_cache(model, kk, vv, innerq=iq, keep_layers_q8=keep)
+            r = score_prefill(model, cache, ids, frac)
+            for f in tot:
+                tot[f] += r[f]
+            if key == "test":
+                report = cache.memory_report()
+            del cache
+        runs[key] = tot
+    t, ref = runs["test"], runs["ref"]
+    ppl, ppl_ref = math.exp(t["nll"] / t["tokens"]), math.exp(ref["nll"] / ref["tokens"])
+    return {
+        "ppl": ppl, "ppl_ref": ppl_ref, "delta_pct": (ppl / ppl_ref - 1.0) * 100.0, "tokens": t["tokens"],
+        "method": "prefill-score", "k": k, "v": v, "ctx": ctx, "windows": len(wins), "prefix_tokens": t["prefix"],
+        "prefix_frac": frac, "innerq": bool(report["innerq"]), "keep_layers_q8": keep_layers_q8,
+        "kv_bytes_held": t["bytes_held"], "kv_bytes": t["bytes"], "kv_bytes_f16": ref["bytes"],
+        "kv_bytes_f16_held": ref["bytes_held"], "bytes_ratio_held": ref["bytes"] / t["bytes_held"],
+        "bytes_ratio": ref["bytes"] / t["bytes"], "seconds": round(time.time() - t0, 1),
+    }
+
+
 def _run(model, tok, wins, k, v, innerq, keep_layers_q8, show, desc):
     nll, count, report = 0.0, 0, None
     for ids in _bar(wins, desc=desc, enabled=show):
@@ -136,4 +202,5 @@ def eval_ppl(model, tok, k: str = "q8_0", v: str = "turbo3", ctx: int = 2048, te
     }
 
 
-__all__ = ["CHUNK", "corpus_windows", "default_windows", "eval_ppl", "score_window"]
+__all__ = ["CHUNK", "PREFIX_FRAC", "corpus_windows", "default_windows", "eval_ppl", "eval_prefill_score",
+           "score_prefill", "score_window"]

@@ -256,3 +256,67 @@ def test_cli_json(tiny, tok, tmp_path):
     assert res.exit_code != 0 and "valid types" in res.output
     res = runner.invoke(app, ["--help"])
     assert res.exit_code == 0 and "JSON Lines" in res.output
+
+
+def test_prefill_score_f16_is_a_dense_forward(tiny, tok):
+    """prefill-score with f16 KV = one dense forward over the text, the last 30 % of tokens scored."""
+    from polykv.eval.ppl import corpus_windows, eval_prefill_score
+
+    n = 300
+    ids = corpus_windows(tok, load_prompts(None)[0]["context"] * 3, n, 1)[0]
+    text = tok.decode(ids)
+    r = eval_prefill_score(tiny, tok, "f16", "f16", ctx=n, text=text, progress=False)
+    ids = corpus_windows(tok, text, n, 1)[0]
+    split = round(0.7 * n)
+    tiny.set_attn_implementation("sdpa")
+    with torch.inference_mode():
+        lg = tiny(input_ids=torch.tensor([ids])).logits[0].double()
+    nll = -torch.log_softmax(lg[split - 1:n - 1], -1).gather(1, torch.tensor(ids[split:])[:, None]).sum()
+    assert PPL_FIELDS <= set(r) and r["tokens"] == n - split == 90 and r["prefix_tokens"] == split
+    assert r["ppl_ref"] == pytest.approx(math.exp(float(nll) / (n - split)), rel=1e-5)
+    assert r["ppl"] == r["ppl_ref"] and r["delta_pct"] == 0.0
+    # f16: 2 layers x 1 KV head x 210 prefix rows x (K + V) x head_dim 32 x 2 bytes, measured
+    assert r["kv_bytes_f16"] == r["kv_bytes"] == 2 * 210 * 2 * 32 * 2 and r["kv_bytes_held"] >= r["kv_bytes"]
+
+
+def test_prefill_score_compressed_matches_reference(tiny, tok):
+    """A compressed pair: the same as FakeQuantCache fed the prefix in one forward, then the rest in one
+    forward (DESIGN-independent reference); bytes measured on the compressed prefix."""
+    from polykv.eval.ppl import corpus_windows, eval_prefill_score
+
+    n = 256
+    r = eval_prefill_score(tiny, tok, "turbo2", "turbo2", ctx=n, progress=False)
+    ids = corpus_windows(tok, load_text_default(), n, 1)[0]
+    split = round(0.7 * n)
+    tiny.set_attn_implementation("sdpa")
+    x = torch.tensor([ids])
+    with torch.inference_mode():
+        cache = FakeQuantCache(tiny, "turbo2", "turbo2")
+        lg = torch.cat([tiny(input_ids=x[:, :split], past_key_values=cache).logits[0, -1:].double(),
+                        tiny(input_ids=x[:, split:n - 1], past_key_values=cache).logits[0].double()], 0)
+    nll = -torch.log_softmax(lg, -1).gather(1, x[0, split:, None]).sum()
+    assert r["ppl"] == pytest.approx(math.exp(float(nll) / (n - split)), rel=1e-5)
+    assert abs(r["delta_pct"]) > 1e-3  # turbo2 really changes the scores
+    # 2 layers x split rows; bytes per row of K + V from DESIGN §3 at head_dim 32: turbo2 10 + 10, f16 64 + 64
+    assert r["kv_bytes"] == 2 * split * (10 + 10) and r["kv_bytes_f16"] == 2 * split * 128
+    assert r["bytes_ratio"] == pytest.approx(128 / 20) and r["bytes_ratio_held"] <= r["bytes_ratio"]
+
+
+def test_cli_prefill_score(tiny_dir):
+    from typer.testing import CliRunner
+
+    from polykv.eval.cli import app
+
+    res = CliRunner().invoke(app, ["ppl", "--method", "prefill-score", "--ctx", "200", "--model", tiny_dir, "--json"])
+    assert res.exit_code == 0, res.output
+    r = json.loads(res.stdout.strip().splitlines()[-1])
+    assert r["method"] == "prefill-score" and r["tokens"] == 60 and r["windows"] == 1
+    assert {"kv_bytes_held", "kv_bytes_f16", "bytes_ratio_held", "bytes_ratio"} <= set(r)
+    res = CliRunner().invoke(app, ["ppl", "--method", "sliding", "--model", tiny_dir, "--json"])
+    assert res.exit_code != 0 and "prefill-score" in res.output
+
+
+def load_text_default():
+    from polykv.eval.common import load_text
+
+    return load_text(None)
