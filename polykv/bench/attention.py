@@ -3,8 +3,9 @@
 bench_attention(ctxs, agents, pairs) -> {"rows": [{ctx, agents, k, v, ms, ms_sdpa_f16, speedup,
 gbps, ...}]}. agents == 1 and suffix == 0: fused decode of one sequence over ctx compressed tokens.
 Otherwise: cascade — `agents` sequences share a ctx-token compressed prefix and each has its own
-`suffix`-token compressed suffix; the baseline is SDPA over `agents` dense fp16 copies of
-prefix+suffix. Layer shape defaults to Llama-3-8B (32 q heads, 8 KV heads, head_dim 128), one query
+`suffix`-token compressed suffix; the baselines are SDPA over `agents` dense fp16 copies of
+prefix+suffix (ms_sdpa_f16) and the fp16 dense cascade (ms_dense_cascade: dense_cascade, the shared
+prefix read once). SDPA runs its flash backend (cuDNN off). Layer shape defaults to Llama-3-8B (32 q heads, 8 KV heads, head_dim 128), one query
 per agent. Timing: triton.testing.do_bench (CUDA events, L2 flushed between reps), median, of CUDA-graph
 replays (ms, ms_sdpa_f16) and of eager calls (ms_eager, ms_sdpa_f16_eager: host launch overhead in).
 gbps = bytes the kernel must read (packed K/V of every visible row, counted from the tensors) / time.
@@ -54,9 +55,34 @@ def _time(fn, warmup, rep):
 
 
 def _sdpa(q, k, v):
+    """torch SDPA, flash backend only: torch 2.11 otherwise picks cuDNN for decode shapes and
+    rebuilds its plan every call, which is not what a tuned baseline would run."""
     import torch.nn.functional as F
+    from torch.nn.attention import SDPBackend, sdpa_kernel
 
-    return F.scaled_dot_product_attention(q, k, v, enable_gqa=True)
+    with sdpa_kernel(SDPBackend.FLASH_ATTENTION):
+        return F.scaled_dot_product_attention(q, k, v, enable_gqa=True)
+
+
+def dense_cascade(q, prefix_k, prefix_v, suffix_k, suffix_v):
+    """The fp16 cascade a user can write with torch alone (FlashInfer-style): every agent's query
+    heads of a KV head stacked as query rows of ONE flash-attention call over the shared prefix
+    (read once, non-causal), one flash call over the per-agent suffixes, and an LSE merge.
+    q [N, Hq, 1, D]; prefix_k/v [1, Hkv, P, D]; suffix_k/v [N, Hkv, S, D] (all visible: one query
+    per agent at the end of its suffix). Returns [N, Hq, 1, D]."""
+    N, Hq, _, D = q.shape
+    hkv = prefix_k.shape[1]
+    grp = Hq // hkv
+    flash = torch.ops.aten._scaled_dot_product_flash_attention
+    qp = q.view(N, hkv, grp, D).permute(1, 0, 2, 3).reshape(1, hkv, N * grp, D)
+    o_p, l_p = flash(qp, prefix_k, prefix_v)[:2]  # [1, Hkv, N*grp, D], lse [1, Hkv, N*grp]
+    o_s, l_s = flash(q.view(N, hkv, grp, D), suffix_k, suffix_v)[:2]
+    o_p = o_p.view(hkv, N, grp, D).transpose(0, 1)
+    l_p = l_p.view(hkv, N, grp).transpose(0, 1)
+    m = torch.maximum(l_p, l_s)
+    w_p, w_s = torch.exp(l_p - m), torch.exp(l_s - m)
+    out = (o_p * w_p[..., None] + o_s * w_s[..., None]) / (w_p + w_s)[..., None]
+    return out.reshape(N, Hq, 1, D)
 
 
 def _rows_bytes(p) -> int:
@@ -105,6 +131,14 @@ def bench_one(ctx: int, agents: int, kname: str, vname: str, *, hq: int = 32, hk
         row.update(ms_sdpa_f16=ms_s, speedup=ms_s / ms, gbps_sdpa=dense / ms_s / 1e6,
                    bytes_sdpa=dense)
         del kd, vd
+        if agents > 1:  # the fp16 dense cascade: shared prefix read once
+            pkd, pvd = rnd(1, hkv, ctx, d), rnd(1, hkv, ctx, d)
+            skd, svd = rnd(agents, hkv, max(suffix, 1), d), rnd(agents, hkv, max(suffix, 1), d)
+            fc = lambda: dense_cascade(q, pkd, pvd, skd, svd)  # noqa: E731
+            ms_c, ms_c_eager = _time(fc, warmup, rep)
+            row.update(ms_dense_cascade=ms_c, ms_dense_cascade_eager=ms_c_eager,
+                       speedup_dense_cascade=ms_c / ms)
+            del pkd, pvd, skd, svd
     else:
         row.update(ms_sdpa_f16=None, speedup=None)
     torch.cuda.empty_cache()

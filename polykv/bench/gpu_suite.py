@@ -92,8 +92,12 @@ def correctness():
     # decode: full Llama-8B layer shape, several pairs, odd lengths, n_q 1 and 4
     pairs = [("q8_0", "turbo3"), ("turbo4", "turbo3"), ("turbo3", "turbo3"), ("f16", "f16"),
              ("q4_0", "turbo2"), ("turbo8", "q8_0"), ("bf16", "turbo4"), ("turbo2", "q4_0")]
-    for (kn, vn), n_q, dec in [(pr, nq, dm) for pr in pairs for nq in (1, 4)
-                               for dm in (("asm", "select") if nq == 1 else ("auto",))]:
+    # the phase kernel (v5) on every pair with both decoders; the tile kernel (v4, checked in
+    # earlier runs) on two pairs
+    cases = [(pr, nq, dm, "phase") for pr in pairs
+             for nq, dm in ((1, "asm"), (1, "select"), (4, "auto"))]
+    cases += [(pr, 1, "asm", "tile") for pr in pairs[:2]]
+    for (kn, vn), n_q, dec, impl in cases:
         if True:
             D, S = 128, 16411
             kc, vc = get_codec(kn, D), get_codec(vn, D)
@@ -102,14 +106,15 @@ def correctness():
             q = rnd(2, 32, n_q, D)
             lens = torch.tensor([S, 9001], dtype=torch.int32, device=DEV)
             try:
-                o, l = attention_decode(q, k, v, kc, vc, kv_lens=lens,
+                o, l = attention_decode(q, k, v, kc, vc, kv_lens=lens, impl=impl,
                                         dec=dec if dec != "asm" or kn not in ("f16", "bf16")
                                         or vn not in ("f16", "bf16") else "auto")
             except Exception as e:  # noqa: BLE001
-                check(f"decode {kn}/{vn} D{D} S{S} nq{n_q} dec={dec}", False, err=repr(e)[:400])
+                check(f"decode {kn}/{vn} D{D} S{S} nq{n_q} dec={dec} {impl}", False,
+                      err=repr(e)[:400])
                 continue
             o2, l2 = attention_decode_ref(q, k, v, kc, vc, kv_lens=lens)
-            check(f"decode {kn}/{vn} D{D} S{S} nq{n_q} dec={dec}", rel(o, o2) <= 1e-2
+            check(f"decode {kn}/{vn} D{D} S{S} nq{n_q} dec={dec} {impl}", rel(o, o2) <= 1e-2
                   and (l - l2).abs().max().item() < 1e-2, rel=rel(o, o2),
                   lse_err=(l - l2).abs().max().item())
     for D, group in ((64, 8), (256, 2), (512, 1)):
@@ -130,6 +135,16 @@ def correctness():
         o2, l2 = cascade_attention_ref(q, pk, pv, sk, sv, sl, kc, vc)
         check(f"cascade {kn}/{vn} 8 agents 64k", rel(o, o2) <= 1e-2, rel=rel(o, o2),
               lse_err=(l - l2).abs().max().item())
+    # the dense-cascade anchor itself vs SDPA over prefix+suffix
+    from polykv.bench.attention import dense_cascade
+    q = rnd(3, 32, 1, 128)
+    pk, pv = rnd(1, 8, 1000, 128), rnd(1, 8, 1000, 128)
+    sk, sv = rnd(3, 8, 7, 128), rnd(3, 8, 7, 128)
+    o = dense_cascade(q, pk, pv, sk, sv)
+    kk, vv = torch.cat([pk.expand(3, -1, -1, -1), sk], 2), torch.cat([pv.expand(3, -1, -1, -1), sv], 2)
+    o2 = torch.nn.functional.scaled_dot_product_attention(q.float(), kk.float(), vv.float(),
+                                                          enable_gqa=True)
+    check("dense cascade anchor", rel(o.float(), o2) <= 5e-3, rel=rel(o.float(), o2))
     oa, ob = rnd(4, 32, 1, 128), rnd(4, 32, 1, 128)
     la, lb = rnd(4, 32, 1, dtype=torch.float32), rnd(4, 32, 1, dtype=torch.float32)
     la[0] = float("-inf")
@@ -177,29 +192,37 @@ TUNE_BEST: dict = {}
 
 @section("tune")
 def tune():
-    """Sweep of the decode kernel's launch parameters at 64k for each K/V pair (best per pair)."""
-    cfgs = [dict(dec=d, block_n=bn, num_warps=w, num_stages=st, target_programs=t)
-            for d, bn, w, st, t in [("select", 128, 4, 2, 528), ("asm", 128, 4, 2, 528),
-                                    ("asm", 64, 4, 2, 528), ("asm", 128, 4, 3, 528),
-                                    ("asm", 128, 8, 2, 528), ("asm", 128, 4, 2, 264),
-                                    ("asm", 64, 4, 3, 1056)]]
+    """Sweep of the decode kernel's launch parameters at 64k (best per pair): the tile kernel (v4)
+    at its defaults against the phase kernel (v5) over row tile, warps, stages and programs."""
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    cfgs = [dict(impl="tile")] + [
+        dict(impl="phase", block_n=bn, num_warps=w, num_stages=st, target_programs=t * sms)
+        for bn, w, st, t in [(64, 1, 2, 8), (64, 1, 2, 10), (64, 1, 2, 11), (64, 1, 2, 12),
+                             (64, 1, 3, 12), (64, 1, 2, 13), (32, 1, 2, 12)]] + [dict(impl="auto")]
+    quick = {"q8_0/turbo3": cfgs}
     for kn, vn in (("q8_0", "turbo3"), ("turbo4", "turbo3"), ("turbo3", "turbo3")):
+        pair = f"{kn}/{vn}"
+        if pair in quick:
+            todo = quick[pair]
+        else:  # the three best of the first pair, and the tile kernel
+            ranked = sorted((r for r in RES["tune"] if r.get("pair") == "q8_0/turbo3" and "ms" in r),
+                            key=lambda r: r["ms"])
+            todo = [dict(impl="tile"), dict(impl="auto")] + [
+                r["cfg"] for r in ranked if r["cfg"]["impl"] == "phase"][:2]
         best = None
-        for cfg in cfgs:
-            if kn == "turbo3" and cfg["dec"] == "select":
-                continue
+        for cfg in todo:
             try:
                 r = bench_one(65536, 1, kn, vn, sdpa=False, tune=cfg)
             except Exception as e:  # noqa: BLE001
-                log(f"tune {kn}/{vn} {cfg} FAILED {e!r}"[:500])
-                RES["tune"].append(dict(cfg=cfg, pair=f"{kn}/{vn}", err=repr(e)[:500]))
+                log(f"tune {pair} {cfg} FAILED {e!r}"[:500])
+                RES["tune"].append(dict(cfg=cfg, pair=pair, err=repr(e)[:500]))
                 continue
-            RES["tune"].append(dict(cfg=cfg, pair=f"{kn}/{vn}", ms=r["ms"], gbps=r["gbps"]))
-            log(f"tune {kn}/{vn} {cfg} {r['ms'] * 1e3:.1f} us {r['gbps']:.0f} GB/s")
+            RES["tune"].append(dict(cfg=cfg, pair=pair, ms=r["ms"], gbps=r["gbps"]))
+            log(f"tune {pair} {cfg} {r['ms'] * 1e3:.1f} us {r['gbps']:.0f} GB/s")
             if best is None or r["ms"] < best[0]:
                 best = (r["ms"], cfg)
         if best:
-            TUNE_BEST[f"{kn}/{vn}"] = best[1]
+            TUNE_BEST[pair] = best[1]
     RES["tune_best"] = dict(TUNE_BEST)
 
 
@@ -209,7 +232,7 @@ def decode_bench():
     for ctx in ctxs:
         for kn, vn in (("q8_0", "turbo3"), ("turbo4", "turbo3"), ("turbo3", "turbo3"),
                        ("f16", "f16")):
-            r = bench_one(ctx, 1, kn, vn, tune=TUNE_BEST.get(f"{kn}/{vn}", TUNE_BEST.get("q8_0/turbo3")))
+            r = bench_one(ctx, 1, kn, vn)  # library defaults: what a user gets
             r["floor_ms"] = r["bytes"] / RES.get("copy_gbps", 4300) / 1e6
             RES["decode"].append(r)
             log(f"decode ctx {ctx} {kn}/{vn}: {r['ms'] * 1e3:.1f} us, sdpa {r['ms_sdpa_f16'] * 1e3:.1f}"
@@ -221,23 +244,15 @@ CASCADE_BEST: dict = {}
 
 @section("tune_cascade")
 def tune_cascade():
-    best = None
-    for pbm, w, bn, st, d in [(128, 4, 64, 2, "select"), (128, 4, 64, 2, "asm"),
-                              (128, 8, 64, 2, "asm"), (128, 8, 128, 2, "asm"),
-                              (64, 4, 64, 2, "asm"),
-                              (128, 8, 64, 3, "asm")]:
-        cfg = dict(prefix_block_m=pbm, num_warps=w, block_n=bn, num_stages=st, dec=d)
+    cfgs = [(32, dict(impl="auto"))] + [(8, dict(impl="tile")), (8, dict(impl="auto"))]
+    for n, cfg in cfgs:
         try:
-            r = bench_one(65536, 32, "q8_0", "turbo3", suffix=128, sdpa=False, tune=cfg)
+            r = bench_one(65536, n, "q8_0", "turbo3", suffix=128, sdpa=False, tune=cfg)
         except Exception as e:  # noqa: BLE001
-            log(f"tune cascade32 {cfg} FAILED {e!r}"[:500])
+            log(f"tune cascade{n} {cfg} FAILED {e!r}"[:500])
             continue
-        RES["tune"].append(dict(cascade=True, cfg=cfg, ms=r["ms"], gbps=r["gbps"]))
-        log(f"tune cascade32 {cfg} {r['ms'] * 1e3:.1f} us (eager {r['ms_eager'] * 1e3:.1f})")
-        if best is None or r["ms"] < best[0]:
-            best = (r["ms"], cfg)
-    CASCADE_BEST.update(best[1])
-    RES["tune_cascade_best"] = best[1]
+        RES["tune"].append(dict(cascade=True, agents=n, cfg=cfg, ms=r["ms"], gbps=r["gbps"]))
+        log(f"tune cascade{n} {cfg} {r['ms'] * 1e3:.1f} us (eager {r['ms_eager'] * 1e3:.1f})")
 
 
 @section("cascade")
@@ -246,7 +261,7 @@ def cascade_bench():
         r = bench_one(65536, n, "q8_0", "turbo3", suffix=128, tune=CASCADE_BEST)
         RES["cascade"].append(r)
         log(f"cascade {n} agents 64k: {r['ms'] * 1e3:.1f} us, sdpa x{n} {r['ms_sdpa_f16'] * 1e3:.1f}"
-            f" us, x{r['speedup']:.2f}")
+            f" us, dense cascade {r.get('ms_dense_cascade', float('nan')) * 1e3:.1f} us")
 
 
 @section("quantize")
@@ -292,7 +307,9 @@ def table():
                      f"{r['ms_sdpa_f16_eager'] * 1e3:>10.1f}")
     lines.append("cascade (64k shared prefix q8_0/turbo3 + 128-token suffixes):")
     for r in RES["cascade"]:
-        lines.append(f"  agents {r['agents']:>3}: {r['ms'] * 1e3:>8.1f} us  sdpa(N dense) "
+        dc = r.get("ms_dense_cascade")
+        dcs = f"dense cascade {dc * 1e3:>7.1f} us x{dc / r['ms']:.2f}  " if dc else ""
+        lines.append(f"  agents {r['agents']:>3}: {r['ms'] * 1e3:>8.1f} us  {dcs}sdpa(N dense) "
                      f"{r['ms_sdpa_f16'] * 1e3:>9.1f} us  x{r['speedup']:.1f}  {r['gbps']:.0f} GB/s  "
                      f"(eager {r['ms_eager'] * 1e3:.1f} / {r['ms_sdpa_f16_eager'] * 1e3:.1f} us)")
     lines.append("quantize-on-write:")

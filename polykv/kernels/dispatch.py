@@ -100,9 +100,12 @@ def _fix_interpreter() -> None:
 
 
 def _prep_q(q: torch.Tensor, k_codec, k_innerq, hkv: int) -> torch.Tensor:
-    """q [B, Hq, n_q, D] -> float32 [B, Hkv, group*n_q, D] in K's storage domain (q / s, rotated
-    once when K is turbo)."""
+    """q [B, Hq, n_q, D] -> [B, Hkv, group*n_q, D] contiguous in K's storage domain (q / s, rotated
+    once when K is turbo; float32 then). Without either it stays in q's dtype (a view when q is
+    contiguous): the kernels convert q on load, so a q8_0 / f16 K costs no preparation launch."""
     B, Hq, n_q, D = q.shape
+    if k_innerq is None and not getattr(k_codec, "rotated", False):
+        return q.reshape(B, hkv, (Hq // hkv) * n_q, D).contiguous()
     qf = ref._innerq_q(q.float(), k_innerq)
     if getattr(k_codec, "rotated", False):
         qf = k_codec.rotate(qf)
@@ -112,6 +115,18 @@ def _prep_q(q: torch.Tensor, k_codec, k_innerq, hkv: int) -> torch.Tensor:
 def _finish(out: torch.Tensor, v_codec) -> torch.Tensor:
     """Output from V's storage domain back to true space (inverse rotation once)."""
     return v_codec.unrotate(out) if getattr(v_codec, "rotated", False) else out
+
+
+_FULL_LENS: dict = {}
+
+
+def _full_lens(B: int, S: int, device) -> torch.Tensor:
+    """int32 [B] filled with S, one per (B, S, device): no fill launch per call."""
+    key = (B, S, str(device))
+    t = _FULL_LENS.get(key)
+    if t is None:
+        t = _FULL_LENS[key] = torch.full((B,), S, dtype=torch.int32, device=device)
+    return t
 
 
 def attention_decode(q: torch.Tensor, k: Packed, v: Packed, k_codec, v_codec, *,
@@ -133,13 +148,13 @@ def attention_decode(q: torch.Tensor, k: Packed, v: Packed, k_codec, v_codec, *,
     if Hq % hkv:
         raise ValueError(f"Hq={Hq} is not a multiple of Hkv={hkv}")
     sm_scale = 1.0 / math.sqrt(D) if sm_scale is None else float(sm_scale)
-    lens = (torch.full((B,), S, dtype=torch.int32, device=q.device) if kv_lens is None
+    lens = (_full_lens(B, S, q.device) if kv_lens is None
             else kv_lens.to(device=q.device, dtype=torch.int32).contiguous())
     qp = _prep_q(q, kc, k_innerq, hkv)
     out, lse = dec.decode_prepared(qp, n_q, k, v, kc, vc, lens, causal=causal, window=window,
-                                   sm_scale=sm_scale, kv_start=kv_start, **tune)
-    out = _finish(out.reshape(B, Hq, n_q, D), vc).to(q.dtype)
-    return out, lse.reshape(B, Hq, n_q)
+                                   sm_scale=sm_scale, kv_start=kv_start, out_dtype=q.dtype,
+                                   **tune)
+    return out.reshape(B, Hq, n_q, D), lse.reshape(B, Hq, n_q)
 
 
 def cascade_attention(q: torch.Tensor, prefix_k: Packed, prefix_v: Packed, suffix_k: Packed,

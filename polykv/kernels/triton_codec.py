@@ -292,3 +292,102 @@ def placeholder(device) -> torch.Tensor:
         t = _PLACEHOLDERS[key] = torch.zeros(1, dtype=torch.float32, device=device)
     return t
 
+
+
+# ----------------------------------------------------------------------------- phase tiles (v5)
+#
+# A row of D values is read as NP = D / PW "phases" of PW contiguous dims [fp*PW, (fp+1)*PW), each
+# decoded from ONE contiguous byte run by one uniform shift/mask (planar layout) — an elementwise
+# chain from a load to the dot. Triton then keeps the compressed bytes in shared memory (cp.async)
+# and decodes them in registers straight in the mma operand layout: no decoded tile goes back
+# through shared memory, and no join/reshape shuffles. Phase fp = (g * NPH + ph) * NSB + sb:
+# tile g (turbo group), planar phase ph, 32-dim scale block sb (q8_0 / q4_0). Its per-row factor
+# (block scale for q8_0 / q4_0, group norm for turbo, none for raw) is applied by the caller: to the
+# scores for K, to P for V.
+
+def phase_meta(codec: Codec) -> dict:
+    """codec_meta plus NSB (scale sub-blocks per planar phase) and PW (phase width)."""
+    m = dict(codec_meta(codec))
+    w = m["GW"] // m["NPH"]
+    m["NSB"] = w // 32 if m["KIND"] in (KIND_Q8, KIND_Q4) else 1
+    m["PW"] = w // m["NSB"]
+    return m
+
+
+def phase_ok(codec: Codec) -> bool:
+    """The phase kernels need every phase >= 16 dims wide (tl.dot's smallest K / N)."""
+    return phase_meta(codec)["PW"] >= 16
+
+
+@triton.jit
+def _asm16_ph(a, b, ph: tl.constexpr, A0: tl.constexpr, A1: tl.constexpr, A2: tl.constexpr,
+              A3: tl.constexpr, A4: tl.constexpr, A5: tl.constexpr, A6: tl.constexpr,
+              A7: tl.constexpr):
+    """_asm16 with the PTX string of planar phase ph."""
+    if ph == 0:
+        v = _asm16(a, b, A0)
+    elif ph == 1:
+        v = _asm16(a, b, A1)
+    elif ph == 2:
+        v = _asm16(a, b, A2)
+    elif ph == 3:
+        v = _asm16(a, b, A3)
+    elif ph == 4:
+        v = _asm16(a, b, A4)
+    elif ph == 5:
+        v = _asm16(a, b, A5)
+    elif ph == 6:
+        v = _asm16(a, b, A6)
+    else:
+        v = _asm16(a, b, A7)
+    return v
+
+
+@triton.jit
+def phase_tile(CODES, CENT, row_off, m2, g: tl.constexpr, ph: tl.constexpr, sb: tl.constexpr,
+               D: tl.constexpr, KIND: tl.constexpr, BITS: tl.constexpr, G: tl.constexpr,
+               PW: tl.constexpr, DEC: tl.constexpr,
+               A0: tl.constexpr, A1: tl.constexpr, A2: tl.constexpr, A3: tl.constexpr,
+               A4: tl.constexpr, A5: tl.constexpr, A6: tl.constexpr, A7: tl.constexpr,
+               TRANS: tl.constexpr = False):
+    """fp16 [BN, PW] values of phase (g, ph, sb) without their factor (q8_0 / q4_0: the integer
+    values; turbo: centroids). row_off int64 [BN, 1] element offsets of the rows, m2 [BN, 1] mask.
+    TRANS: the tile [PW, BN] instead (row_off / m2 [1, BN]), loaded transposed.
+    A0..A7: the PTX strings of the planar phases (asm_strings), used when DEC == 1."""
+    if TRANS:
+        w = tl.arange(0, PW)[:, None]
+    else:
+        w = tl.arange(0, PW)[None, :]
+    if KIND == 0:
+        val = tl.load(CODES + row_off + w, mask=m2, other=0.0).to(tl.float16)
+    elif KIND == 1:
+        q = tl.load(CODES + row_off + (sb * PW + w), mask=m2, other=0)
+        if DEC == 1:
+            val = _asm16(q, q, A0)
+        else:
+            val = q.to(tl.float16)
+    elif KIND == 2:
+        b = tl.load(CODES + row_off + (sb * PW + w), mask=m2, other=0)
+        if DEC == 1:
+            val = _asm16_ph(b, b, ph, A0, A1, A2, A3, A4, A5, A6, A7)
+        else:
+            val = (((b.to(tl.int32) >> (4 * ph)) & 15) - 8).to(tl.float16)
+    else:
+        gb = g * (G * BITS // 8)
+        if BITS == 8:
+            b = tl.load(CODES + row_off + (gb + w), mask=m2, other=0)
+            val = tl.load(CENT + b.to(tl.int32)).to(tl.float16)
+        elif BITS == 3:
+            lo = tl.load(CODES + row_off + (gb + (ph % 2) * PW + w), mask=m2, other=0)
+            hi = tl.load(CODES + row_off + (gb + 2 * PW + w), mask=m2, other=0)
+            if DEC == 1:
+                val = _asm16_ph(lo, hi, ph, A0, A1, A2, A3, A4, A5, A6, A7)
+            else:
+                val = _phase(lo, hi, CENT, ph, 3, 0, A0)
+        else:
+            b = tl.load(CODES + row_off + (gb + w), mask=m2, other=0)
+            if DEC == 1:
+                val = _asm16_ph(b, b, ph, A0, A1, A2, A3, A4, A5, A6, A7)
+            else:
+                val = _phase(b, b, CENT, ph, BITS, 0, A0)
+    return val

@@ -18,7 +18,9 @@ import triton
 import triton.language as tl
 
 from ..codecs import Packed
-from .triton_codec import asm_ok, asm_strings, codec_meta, load_tile, perm_cols, placeholder
+from ..codecs.rotation import rotation_matrix
+from .triton_codec import (asm_ok, asm_strings, codec_meta, load_tile, perm_cols, phase_meta,
+                           phase_ok, phase_tile, placeholder)
 
 LOG2E = 1.4426950408889634
 LN2 = 0.6931471805599453
@@ -198,7 +200,11 @@ def _decode_kernel(
 
 
 @triton.jit
-def _combine_kernel(O_PART, L_PART, OUT, LSE, N_SPLITS, D: tl.constexpr, NS_P2: tl.constexpr):
+def _combine_kernel(O_PART, L_PART, OUT, LSE, ROT, N_SPLITS, D: tl.constexpr, NS_P2: tl.constexpr,
+                    G: tl.constexpr, UNROT: tl.constexpr):
+    """Merge the splits of one row by log-sum-exp; with UNROT also map the row from V's storage
+    domain back to true space (y_g = o_g @ M^T per group of G, ROT = M float32 [G, G]) and store
+    it in OUT's dtype: the whole epilogue of a decode call in one launch."""
     r = tl.program_id(0).to(tl.int64)
     sp = tl.arange(0, NS_P2)
     smask = sp < N_SPLITS
@@ -207,12 +213,18 @@ def _combine_kernel(O_PART, L_PART, OUT, LSE, N_SPLITS, D: tl.constexpr, NS_P2: 
     m_safe = tl.where(m == float("-inf"), 0.0, m)
     w = tl.exp(lse - m_safe)  # 0 for empty splits
     tot = tl.sum(w, 0)
-    d = tl.arange(0, D)
-    o = tl.load(O_PART + (r * N_SPLITS + sp)[:, None] * D + d[None, :], mask=smask[:, None],
-                other=0.0)
     den = tl.where(tot > 0, tot, 1.0)
-    out = tl.sum(o * w[:, None], 0) / den
-    tl.store(OUT + r * D + d, out)
+    gi = tl.arange(0, G)
+    if UNROT:
+        mt = tl.load(ROT + gi[None, :] * G + gi[:, None])  # mt[i, j] = M[j, i]
+    for g in tl.static_range(D // G):
+        d = g * G + gi
+        o = tl.load(O_PART + (r * N_SPLITS + sp)[:, None] * D + d[None, :], mask=smask[:, None],
+                    other=0.0)
+        out = tl.sum(o * w[:, None], 0) / den
+        if UNROT:
+            out = tl.sum(out[:, None] * mt, 0)
+        tl.store(OUT + r * D + d, out.to(OUT.dtype.element_ty))
     tl.store(LSE + r, tl.where(tot > 0, m_safe + tl.log(den), float("-inf")))
 
 
@@ -246,6 +258,10 @@ def num_programs_target(device) -> int:
     return 4  # interpreter: keep the program count small but exercise several splits
 
 
+# impl="auto": the phase kernel for up to this many rows per KV head (decode: a GQA group times
+# n_q); the tile kernel above (the cascade prefix: 8 agents, 32 rows, 177 us tile vs 187 us phase)
+PHASE_MAX_ROWS = 16
+
 _ASM_BROKEN: set = set()  # (k kind/bits, v kind/bits) whose inline-asm build failed here
 
 
@@ -258,35 +274,48 @@ def decode_prepared(qp: torch.Tensor, n_q: int, k: Packed, v: Packed, k_codec, v
                     kv_lens: torch.Tensor, *, causal: bool, window: int | None, sm_scale: float,
                     block_m_max: int = 64, target_programs: int | None = None,
                     num_warps: int | None = None, num_stages: int = 2, block_n: int | None = None,
-                    dec: str = "auto", lut: str | None = None,
+                    dec: str = "auto", impl: str = "auto", maxnreg: int | None = None,
                     page_table: torch.Tensor | None = None, page_size: int = 0,
-                    kv_start: torch.Tensor | None = None):
-    """qp: float32 [B, Hkv, M, D] contiguous, already in K's storage domain (rotated / InnerQ-
+                    kv_start: torch.Tensor | None = None, out_dtype: torch.dtype | None = None):
+    """qp: [B, Hkv, M, D] contiguous (any float dtype), already in K's storage domain (rotated / InnerQ-
     divided), rows r = head_in_group * n_q + j. k, v: Packed leading [B or 1, Hkv, S_cap].
     dec: "asm" (PTX byte-permute lookup, CUDA only), "select" (plain Triton), "auto" (asm where it
-    applies and builds). page_table int32 [B, max_pages] (with page_size): k, v are a page pool
-    (leading [1, Hkv, rows]) and row n of sequence b lives at page_table[b, n // page_size] *
-    page_size + n % page_size. kv_start int32 [B]: rows before it are left padding, never keys.
-    Returns out float32 [B, Hkv, M, D] in V's storage domain, lse
-    float32 [B, Hkv, M]."""
+    applies and builds). impl: "phase" (_phase_decode_kernel), "tile" (_decode_kernel), "auto"
+    (phase where both codecs allow it: phase_ok). maxnreg: a register cap per thread (tuning). page_table int32 [B, max_pages] (with
+    page_size): k, v are a page pool (leading [1, Hkv, rows]) and row n of sequence b lives at
+    page_table[b, n // page_size] * page_size + n % page_size. kv_start int32 [B]: rows before it
+    are left padding, never keys. Returns out float32 [B, Hkv, M, D] in V's storage domain, lse
+    float32 [B, Hkv, M]; with out_dtype, out is in true space (unrotated) and that dtype."""
     B, Hkv, M, D = qp.shape
     dev = qp.device
-    km, vm = codec_meta(k_codec), codec_meta(v_codec)
+    if impl == "auto":  # H200 v5 sweep: phase for decode-sized row tiles, tile for the cascade
+        impl = ("phase" if M <= PHASE_MAX_ROWS and phase_ok(k_codec) and phase_ok(v_codec)
+                else "tile")
+    phase = impl == "phase"
+    km, vm = ((phase_meta(k_codec), phase_meta(v_codec)) if phase
+              else (codec_meta(k_codec), codec_meta(v_codec)))
     S = k.codes.shape[2] if page_table is None else page_table.shape[1] * page_size
     kc, ks, kcs, kss = _strides(k, k.codes.shape[0] == 1 and B > 1)
     vc, vs, vcs, vss = _strides(v, v.codes.shape[0] == 1 and B > 1)
     kcent = k_codec.tables(dev)[0] if km["KIND"] == 3 else placeholder(dev)
     vcent = v_codec.tables(dev)[0] if vm["KIND"] == 3 else placeholder(dev)
-    BLOCK_M = max(16, min(block_m_max, triton.next_power_of_2(M)))
+    # the phase kernel puts the rows on the mma's N (8 is its smallest tile); the tile kernel on M
+    BLOCK_M = max(8 if phase else 16, min(block_m_max, triton.next_power_of_2(M)))
     n_mt = triton.cdiv(M, BLOCK_M)
-    BLOCK_N = block_n or (128 if BLOCK_M <= 16 and D <= 128 else _block_n(D))
-    if num_warps is None:
-        num_warps = 4  # H200 v4 sweep: 4 beat 8 for the 16-row decode and the 64/128-row cascade
-    # every byte chunk [BLOCK_N, W] must give each thread >= 4 elements (no replicated tiny tiles;
-    # the inline-asm lookup packs 4): raise BLOCK_N where a chunk would be too small
-    w_min = min(km["GW"] // km["NPH"], vm["GW"] // vm["NPH"])
-    n_min = triton.next_power_of_2(triton.cdiv(4 * 32 * num_warps, w_min))
-    BLOCK_N = max(BLOCK_N, n_min)
+    extra = {} if maxnreg is None else {"maxnreg": int(maxnreg)}
+    if phase:
+        # H200 v5 sweep (docs/kernels_notes.md): one warp per program for the decode rows
+        BLOCK_N = block_n or 64
+        num_warps = num_warps or (1 if BLOCK_M <= 16 else 4)
+        n_min = 16
+    else:
+        BLOCK_N = block_n or (128 if BLOCK_M <= 16 and D <= 128 else _block_n(D))
+        num_warps = num_warps or 4  # v4 sweep: 4 beat 8 for the 16-row decode and the cascade
+        # every byte chunk [BLOCK_N, W] must give each thread >= 4 elements (no replicated tiny
+        # tiles; the inline-asm lookup packs 4): raise BLOCK_N where a chunk would be too small
+        w_min = min(km["GW"] // km["NPH"], vm["GW"] // vm["NPH"])
+        n_min = triton.next_power_of_2(triton.cdiv(4 * 32 * num_warps, w_min))
+        BLOCK_N = max(BLOCK_N, n_min)
     paged = page_table is not None
     if paged:  # one page per tile: the tile shrinks to the page, never below the layout minimum
         if page_size % max(16, n_min):
@@ -297,7 +326,9 @@ def decode_prepared(qp: torch.Tensor, n_q: int, k: Packed, v: Packed, k_codec, v
         pt_stride = page_table.stride(0)
     else:
         page_table, pt_stride = kv_lens, 0
-    target = target_programs or num_programs_target(dev)
+    # one-warp programs: 8 per SM, one full wave (H200 v5 sweep at 64k: 68 us at 8 per SM, 99-108
+    # us at 10-13 per SM, 91 us at 4 per SM)
+    target = target_programs or num_programs_target(dev) * (2 if phase and num_warps == 1 else 1)
     max_splits = max(1, triton.cdiv(S, BLOCK_N))
     n_splits = max(1, min(max_splits, triton.cdiv(target, B * Hkv * n_mt)))
     split_len = triton.cdiv(triton.cdiv(S, n_splits), BLOCK_N) * BLOCK_N
@@ -305,32 +336,43 @@ def decode_prepared(qp: torch.Tensor, n_q: int, k: Packed, v: Packed, k_codec, v
     o_part = torch.empty(B * Hkv * M * n_splits * D, dtype=torch.float32, device=dev)
     l_part = torch.empty(B * Hkv * M * n_splits, dtype=torch.float32, device=dev)
     grid = (B * Hkv, n_splits, n_mt)
-    key = (km["KIND"], km["BITS"], vm["KIND"], vm["BITS"])
+    key = (km["KIND"], km["BITS"], vm["KIND"], vm["BITS"], impl)
     use_asm = (dec != "select" and dev.type == "cuda" and not _interpreting()
                and key not in _ASM_BROKEN)
     if dec == "asm" and not use_asm and key not in _ASM_BROKEN and dev.type == "cuda":
         raise RuntimeError("dec='asm' needs compiled CUDA (not the interpreter)")
-    k_dec = int(use_asm and asm_ok(k_codec, BLOCK_N, num_warps))
-    v_dec = int(use_asm and asm_ok(v_codec, BLOCK_N, num_warps))
+    if phase:
+        k_dec = int(use_asm and km["KIND"] in (1, 2, 3) and km["BITS"] != 8)
+        v_dec = int(use_asm and vm["KIND"] in (1, 2, 3) and vm["BITS"] != 8)
+    else:
+        k_dec = int(use_asm and asm_ok(k_codec, BLOCK_N, num_warps))
+        v_dec = int(use_asm and asm_ok(v_codec, BLOCK_N, num_warps))
     ka = asm_strings(k_codec) if k_dec else ("",) * 8
     va = asm_strings(v_codec) if v_dec else ("",) * 8
 
+    def codec_args(pre, m, d):
+        if phase:
+            return {f"{pre}_KIND": m["KIND"], f"{pre}_BITS": m["BITS"], f"{pre}_G": m["G"],
+                    f"{pre}_NG": D // m["GW"], f"{pre}_NPH": m["NPH"], f"{pre}_NSB": m["NSB"],
+                    f"{pre}_PW": m["PW"], f"{pre}_DEC": d}
+        return {f"{pre}_KIND": m["KIND"], f"{pre}_BITS": m["BITS"], f"{pre}_G": m["G"],
+                f"{pre}_GW": m["GW"], f"{pre}_NPH": m["NPH"], f"{pre}_DEC": d}
+
+    kernel = _phase_decode_kernel if phase else _decode_kernel
+
     def launch(kd, vd, ka, va):
-        _decode_kernel[grid](
+        kernel[grid](
             qp, kc, ks, vc, vs, kcent, vcent, kv_lens,
             kv_lens if kv_start is None else kv_start.to(device=dev, dtype=torch.int32),
             page_table, o_part, l_part,
             *kcs, *kss, *vcs, *vss,
             Hkv, M, n_q, split_len, n_splits, sm_scale * LOG2E, int(window or 0), pt_stride,
             D=D, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, PAGE=int(page_size) if paged else 0,
-            K_KIND=km["KIND"], K_BITS=km["BITS"], K_G=km["G"], K_GW=km["GW"], K_NPH=km["NPH"],
-            K_DEC=kd,
-            V_KIND=vm["KIND"], V_BITS=vm["BITS"], V_G=vm["G"], V_GW=vm["GW"], V_NPH=vm["NPH"],
-            V_DEC=vd,
+            **codec_args("K", km, kd), **codec_args("V", vm, vd),
             CAUSAL=bool(causal), HAS_WINDOW=window is not None, HAS_START=kv_start is not None,
             KA0=ka[0], KA1=ka[1], KA2=ka[2], KA3=ka[3], KA4=ka[4], KA5=ka[5], KA6=ka[6],
             KA7=ka[7], VA0=va[0], VA1=va[1], VA2=va[2], VA3=va[3], VA4=va[4], VA5=va[5],
-            VA6=va[6], VA7=va[7], num_warps=num_warps, num_stages=num_stages)
+            VA6=va[6], VA7=va[7], num_warps=num_warps, num_stages=num_stages, **extra)
 
     if (k_dec or v_dec) and dec == "auto":
         try:
@@ -342,8 +384,159 @@ def decode_prepared(qp: torch.Tensor, n_q: int, k: Packed, v: Packed, k_codec, v
             launch(0, 0, ("",) * 8, ("",) * 8)
     else:
         launch(k_dec, v_dec, ka, va)
-    out = torch.empty(B, Hkv, M, D, dtype=torch.float32, device=dev)
+    unrot = out_dtype is not None and getattr(v_codec, "rotated", False)
+    out = torch.empty(B, Hkv, M, D, dtype=out_dtype or torch.float32, device=dev)
     lse = torch.empty(B, Hkv, M, dtype=torch.float32, device=dev)
-    _combine_kernel[(B * Hkv * M,)](o_part, l_part, out, lse, n_splits, D=D,
-                                    NS_P2=triton.next_power_of_2(n_splits))
+    rot = rotation_matrix(v_codec.group, dev) if unrot else placeholder(dev)
+    _combine_kernel[(B * Hkv * M,)](o_part, l_part, out, lse, rot, n_splits, D=D,
+                                    NS_P2=triton.next_power_of_2(n_splits),
+                                    G=v_codec.group if unrot else D, UNROT=unrot)
     return out, lse
+
+
+# ----------------------------------------------------------------------------- v5: phase tiles
+
+@triton.jit
+def _zeros_tuple(N: tl.constexpr, BM: tl.constexpr, W: tl.constexpr):
+    z = (tl.zeros([BM, W], tl.float32),)
+    for _ in tl.static_range(N - 1):
+        z = z + (tl.zeros([BM, W], tl.float32),)
+    return z
+
+
+@triton.jit
+def _phase_decode_kernel(
+        Q, KC, KS, VC, VS, KCENT, VCENT, KV_LENS, KV_START, PT, O_PART, L_PART,
+        skb, skh, sks, sksb, sksh, skss,
+        svb, svh, svs, svsb, svsh, svss,
+        HKV, M_TOTAL, N_Q, SPLIT_LEN, N_SPLITS, qk_scale, WINDOW, PT_STRIDE,
+        D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, PAGE: tl.constexpr,
+        K_KIND: tl.constexpr, K_BITS: tl.constexpr, K_G: tl.constexpr, K_NG: tl.constexpr,
+        K_NPH: tl.constexpr, K_NSB: tl.constexpr, K_PW: tl.constexpr, K_DEC: tl.constexpr,
+        V_KIND: tl.constexpr, V_BITS: tl.constexpr, V_G: tl.constexpr, V_NG: tl.constexpr,
+        V_NPH: tl.constexpr, V_NSB: tl.constexpr, V_PW: tl.constexpr, V_DEC: tl.constexpr,
+        CAUSAL: tl.constexpr, HAS_WINDOW: tl.constexpr, HAS_START: tl.constexpr,
+        KA0: tl.constexpr, KA1: tl.constexpr, KA2: tl.constexpr, KA3: tl.constexpr,
+        KA4: tl.constexpr, KA5: tl.constexpr, KA6: tl.constexpr, KA7: tl.constexpr,
+        VA0: tl.constexpr, VA1: tl.constexpr, VA2: tl.constexpr, VA3: tl.constexpr,
+        VA4: tl.constexpr, VA5: tl.constexpr, VA6: tl.constexpr, VA7: tl.constexpr):
+    """Same contract as _decode_kernel, computed transposed: scores sT [BLOCK_N keys, BLOCK_M rows]
+    = K_tile @ q^T and out^T [D, rows] += V_tile^T @ P^T, so the query rows sit on the mma's
+    small N dimension (a GQA group of 4 pads to 8, not 16) and the decoded K / V tiles are the A
+    operand. K and V are read as phase tiles (triton_codec.phase_tile): each tile is decoded in
+    registers straight into the operand layout. q / output columns in natural order."""
+    pid_bh = tl.program_id(0)
+    pid_s = tl.program_id(1)
+    pid_m = tl.program_id(2)
+    b = pid_bh // HKV
+    h = pid_bh % HKV
+    K_NP: tl.constexpr = K_NG * K_NPH * K_NSB
+    V_NP: tl.constexpr = V_NG * V_NPH * V_NSB
+
+    kv_len = tl.load(KV_LENS + b)
+    start = pid_s * SPLIT_LEN
+    end = tl.minimum(start + SPLIT_LEN, kv_len)
+    if HAS_START:
+        kv_start = tl.load(KV_START + b)
+        start = tl.maximum(start, (kv_start // BLOCK_N) * BLOCK_N)
+
+    rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    rmask = rows < M_TOTAL
+    q_rows = pid_bh.to(tl.int64) * M_TOTAL + rows
+    qpos = kv_len - N_Q + rows % N_Q
+
+    # q^T phases [K_PW, BLOCK_M] fp16, loaded once
+    kw = tl.arange(0, K_PW)
+    qs = (tl.load(Q + q_rows[None, :] * D + kw[:, None], mask=rmask[None, :],
+                  other=0.0).to(tl.float16),)
+    for fp in tl.static_range(1, K_NP):
+        qs = qs + (tl.load(Q + q_rows[None, :] * D + (fp * K_PW + kw)[:, None],
+                           mask=rmask[None, :], other=0.0).to(tl.float16),)
+
+    m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
+    l_i = tl.zeros([BLOCK_M], tl.float32)
+    accs = _zeros_tuple(V_NP, V_PW, BLOCK_M)
+
+    kbase = b.to(tl.int64) * skb + h.to(tl.int64) * skh
+    ksbase = b.to(tl.int64) * sksb + h.to(tl.int64) * sksh
+    vbase = b.to(tl.int64) * svb + h.to(tl.int64) * svh
+    vsbase = b.to(tl.int64) * svsb + h.to(tl.int64) * svsh
+
+    for n0 in range(start, end, BLOCK_N):
+        offs_n = n0 + tl.arange(0, BLOCK_N)
+        nmask = offs_n < end
+        if PAGE > 0:
+            page = tl.load(PT + b.to(tl.int64) * PT_STRIDE + n0 // PAGE).to(tl.int64)
+            on = page * PAGE + (n0 % PAGE) + tl.arange(0, BLOCK_N).to(tl.int64)
+        else:
+            on = offs_n.to(tl.int64)
+        m2 = nmask[:, None]
+        # ---- scores: per phase dot; factor per scale block (q8_0/q4_0) or per group (turbo)
+        k_row = (kbase + on * sks)[:, None]
+        ks_off = ksbase + on * skss
+        s = tl.zeros([BLOCK_N, BLOCK_M], tl.float32)
+        for g in tl.static_range(K_NG):
+            sg = tl.zeros([BLOCK_N, BLOCK_M], tl.float32)
+            for ph in tl.static_range(K_NPH):
+                for sb in tl.static_range(K_NSB):
+                    kt = phase_tile(KC, KCENT, k_row, m2, g, ph, sb, D, K_KIND, K_BITS, K_G, K_PW,
+                                    K_DEC, KA0, KA1, KA2, KA3, KA4, KA5, KA6, KA7)
+                    kq = qs[(g * K_NPH + ph) * K_NSB + sb]
+                    if K_KIND == 1 or K_KIND == 2:
+                        sc = tl.load(KS + ks_off + (ph * K_NSB + sb), mask=nmask,
+                                     other=0.0).to(tl.float32)
+                        s += tl.dot(kt, kq) * sc[:, None]
+                    else:
+                        sg = tl.dot(kt, kq, sg)
+            if K_KIND == 3:
+                s += sg * tl.load(KS + ks_off + g, mask=nmask, other=0.0).to(tl.float32)[:, None]
+            elif K_KIND == 0:
+                s += sg
+        s = s * qk_scale
+        vis = nmask[:, None] & rmask[None, :]
+        if CAUSAL:
+            vis = vis & (offs_n[:, None] <= qpos[None, :])
+        if HAS_WINDOW:
+            vis = vis & (offs_n[:, None] > qpos[None, :] - WINDOW)
+        if HAS_START:
+            vis = vis & (offs_n[:, None] >= kv_start)
+        s = tl.where(vis, s, float("-inf"))
+        # ---- online softmax over keys (axis 0)
+        m_new = tl.maximum(m_i, tl.max(s, 0))
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+        alpha = tl.exp2(m_i - m_safe)
+        p = tl.exp2(s - m_safe[None, :])
+        l_i = l_i * alpha + tl.sum(p, 0)
+        m_i = m_new
+        # ---- values: the factor folds into P (per group for turbo, per block for q8_0/q4_0)
+        v_row = (vbase + on * svs)[None, :]
+        vs_off = vsbase + on * svss
+        m2t = nmask[None, :]
+        for i in tl.static_range(V_NP):
+            vg = i // (V_NPH * V_NSB)
+            vph = (i // V_NSB) % V_NPH
+            vsb = i % V_NSB
+            if V_KIND == 3:
+                if i % (V_NPH * V_NSB) == 0:  # once per group
+                    pg = (p * tl.load(VS + vs_off + vg, mask=nmask, other=0.0).to(tl.float32)[
+                        :, None]).to(tl.float16)
+                pb = pg
+            elif V_KIND == 0:
+                pb = p.to(tl.float16)
+            else:
+                sc = tl.load(VS + vs_off + i, mask=nmask, other=0.0).to(tl.float32)
+                pb = (p * sc[:, None]).to(tl.float16)
+            vt = phase_tile(VC, VCENT, v_row, m2t, vg, vph, vsb, D, V_KIND, V_BITS, V_G, V_PW,
+                            V_DEC, VA0, VA1, VA2, VA3, VA4, VA5, VA6, VA7, TRANS=True)
+            accs = accs[:i] + (tl.dot(vt, pb, accs[i] * alpha[None, :]),) + accs[i + 1:]
+
+    has = l_i > 0
+    inv = tl.where(has, 1.0 / tl.where(has, l_i, 1.0), 0.0)
+    lse = tl.where(has, (m_i + tl.log2(tl.where(has, l_i, 1.0))) * 0.6931471805599453,
+                   float("-inf"))
+    prow = q_rows * N_SPLITS + pid_s
+    tl.store(L_PART + prow, lse, mask=rmask)
+    vw = tl.arange(0, V_PW)
+    for fp in tl.static_range(V_NP):
+        tl.store(O_PART + (prow * D)[None, :] + (fp * V_PW + vw)[:, None],
+                 accs[fp] * inv[None, :], mask=rmask[None, :])
