@@ -59,10 +59,10 @@ def calibrate_innerq(model, tok, texts, max_tokens: int = 2048, save: bool = Tru
                      path: str | Path | None = None) -> InnerQTable:
     """InnerQ key scales from real keys of `texts`; saved (when save=True) to `path` or to the
     polykv cache dir, where KVCache(innerq="auto") finds it for this model."""
-    from .kv_cache import innerq_path, model_fingerprint
+    from .fingerprint import innerq_key, innerq_path
 
     kv = capture_kv(model, tok, texts, max_tokens)
-    table = InnerQTable.calibrate({i: k for i, (k, _) in kv.items()}, model=model_fingerprint(model))
+    table = InnerQTable.calibrate({i: k for i, (k, _) in kv.items()}, model=innerq_key(model))
     if save:
         target = Path(path) if path is not None else innerq_path(model)
         target.parent.mkdir(parents=True, exist_ok=True)

@@ -33,8 +33,9 @@ from ..cache import CompressedLayer, storage_bytes
 from ..codecs import CODEC_NAMES, CodecError, InnerQTable, check_codec_name, get_codec
 from ..codecs.rotation import rotate, unrotate
 from .attention import activate, use_polykv_attention
+from .fingerprint import innerq_path
+from .layout import kv_layout
 
-SUPPORTED_LAYER_TYPES = ("full_attention", "sliding_attention")
 
 
 @dataclass(frozen=True)
@@ -97,50 +98,18 @@ def model_layout(model_or_config) -> list[LayerLayout]:
         raise UnsupportedModelError(
             f"unsupported architecture {name!r}: the config has no num_hidden_layers / "
             "num_attention_heads; KVCache serves decoder-only attention models (llama, gemma3, ...)")
-    kv_heads = getattr(config, "num_key_value_heads", None) or n_heads
-    head_dim = getattr(config, "head_dim", None) or getattr(config, "hidden_size") // n_heads
     if any(getattr(config, a, None) for a in ("kv_lora_rank", "attention_chunk_size")):
         raise UnsupportedModelError(f"unsupported architecture {name!r}: MLA / chunked attention "
                                     "layers are not supported")
     if getattr(config, "num_kv_shared_layers", None):
         raise UnsupportedModelError(f"unsupported architecture {name!r}: KV-shared layers are not "
                                     "supported")
-    try:  # the loader's layout is the project-wide one (handles use_sliding_window etc.)
-        from .loading import kv_layout
-    except ImportError:
-        kv_layout = None
-    if kv_layout is not None:
-        try:
-            specs = kv_layout(model_or_config)
-        except ValueError as e:
-            raise UnsupportedModelError(f"unsupported architecture {name!r}: {e}") from None
-        return [LayerLayout(s.index, int(s.num_kv_heads), int(s.head_dim),
-                            None if s.sliding_window is None else int(s.sliding_window)) for s in specs]
-    layer_types = getattr(config, "layer_types", None)
-    window = getattr(config, "sliding_window", None)
-    if layer_types is None:
-        layer_types = ["sliding_attention" if window else "full_attention"] * n_layers
-    bad = sorted({t for t in layer_types if t not in SUPPORTED_LAYER_TYPES})
-    if bad:
-        raise UnsupportedModelError(f"unsupported architecture {name!r}: layer types {bad}; KVCache "
-                                    f"supports {list(SUPPORTED_LAYER_TYPES)}")
-    return [LayerLayout(i, int(kv_heads), int(head_dim),
-                        int(window) if t == "sliding_attention" else None)
-            for i, t in enumerate(layer_types[:n_layers])]
-
-
-def model_fingerprint(model) -> str:
-    """Stable id of a model's weights + architecture: "<model_type>-<16 hex>" (keys InnerQ tables)."""
-    from .loading import model_fingerprint as _fp
-
-    return f"{getattr(model.config, 'model_type', 'model')}-{_fp(model)[:16]}"
-
-
-def innerq_path(model) -> Path:
-    """Where the InnerQ table of `model` lives in the polykv cache dir."""
-    from ..paths import cache_dir
-
-    return cache_dir("innerq") / f"{model_fingerprint(model)}.safetensors"
+    try:  # the project-wide layout (layer types, use_sliding_window, ...)
+        specs = kv_layout(model_or_config)
+    except ValueError as e:
+        raise UnsupportedModelError(f"unsupported architecture {name!r}: {e}") from None
+    return [LayerLayout(s.index, int(s.num_kv_heads), int(s.head_dim),
+                        None if s.sliding_window is None else int(s.sliding_window)) for s in specs]
 
 
 def _resolve_innerq(innerq, model, k: str) -> InnerQTable | None:
@@ -485,4 +454,4 @@ class KVCache(Cache):
 
 
 __all__ = ["CODEC_NAMES", "KVCache", "LayerLayout", "PolyKVLayer", "UnsupportedModelError",
-           "innerq_path", "model_fingerprint", "model_layout"]
+           "innerq_path", "model_layout"]
