@@ -37,7 +37,6 @@ from .fingerprint import innerq_path
 from .layout import kv_layout
 
 
-
 @dataclass(frozen=True)
 class LayerLayout:
     """KV shape of one attention layer, read from the model config."""
