@@ -75,6 +75,33 @@ def _pv(acc, alpha, p, VC, VS, VCENT, v_off, vs_off, nmask, g: tl.constexpr,
 
 
 @triton.jit
+def _split_bounds(KV_LENS, KV_START, b, pid_s, SPLIT_LEN, BLOCK_N: tl.constexpr,
+                  HAS_START: tl.constexpr):
+    """(kv_len, kv_start, start, end) of split pid_s of sequence b. Left padding (HAS_START): rows
+    before kv_start are not keys, the loop starts at the tile that holds it (kv_start = 0 else)."""
+    kv_len = tl.load(KV_LENS + b)
+    start = pid_s * SPLIT_LEN
+    end = tl.minimum(start + SPLIT_LEN, kv_len)
+    kv_start = 0
+    if HAS_START:
+        kv_start = tl.load(KV_START + b)
+        start = tl.maximum(start, (kv_start // BLOCK_N) * BLOCK_N)
+    return kv_len, kv_start, start, end
+
+
+@triton.jit
+def _row_index(PT, PT_STRIDE, b, n0, offs_n, PAGE: tl.constexpr, BLOCK_N: tl.constexpr):
+    """int64 [BLOCK_N] storage rows of sequence rows n0 + i: through the page table when PAGE > 0
+    (a tile never straddles a page: PAGE % BLOCK_N == 0), else the rows themselves."""
+    if PAGE > 0:
+        page = tl.load(PT + b.to(tl.int64) * PT_STRIDE + n0 // PAGE).to(tl.int64)
+        on = page * PAGE + (n0 % PAGE) + tl.arange(0, BLOCK_N).to(tl.int64)
+    else:
+        on = offs_n.to(tl.int64)
+    return on
+
+
+@triton.jit
 def _decode_kernel(
         Q, KC, KS, VC, VS, KCENT, VCENT, KV_LENS, KV_START, PT, O_PART, L_PART,
         skb, skh, sks, sksb, sksh, skss,
@@ -98,12 +125,8 @@ def _decode_kernel(
     NGK: tl.constexpr = D // K_GW
     NGV: tl.constexpr = D // V_GW
 
-    kv_len = tl.load(KV_LENS + b)
-    start = pid_s * SPLIT_LEN
-    end = tl.minimum(start + SPLIT_LEN, kv_len)
-    if HAS_START:  # left padding: rows before kv_start are not keys of this sequence
-        kv_start = tl.load(KV_START + b)
-        start = tl.maximum(start, (kv_start // BLOCK_N) * BLOCK_N)
+    kv_len, kv_start, start, end = _split_bounds(KV_LENS, KV_START, b, pid_s, SPLIT_LEN,
+                                                 BLOCK_N, HAS_START)
 
     rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     rmask = rows < M_TOTAL
@@ -133,11 +156,7 @@ def _decode_kernel(
     for n0 in range(start, end, BLOCK_N):
         offs_n = n0 + tl.arange(0, BLOCK_N)
         nmask = offs_n < end
-        if PAGE > 0:  # paged rows: a tile never straddles a page (PAGE % BLOCK_N == 0)
-            page = tl.load(PT + b.to(tl.int64) * PT_STRIDE + n0 // PAGE).to(tl.int64)
-            on = page * PAGE + (n0 % PAGE) + tl.arange(0, BLOCK_N).to(tl.int64)
-        else:
-            on = offs_n.to(tl.int64)
+        on = _row_index(PT, PT_STRIDE, b, n0, offs_n, PAGE, BLOCK_N)
         k_off = kbase + on * sks
         ks_off = ksbase + on * skss
         # ---- scores
@@ -433,12 +452,8 @@ def _phase_decode_kernel(
     K_NP: tl.constexpr = K_NG * K_NPH * K_NSB
     V_NP: tl.constexpr = V_NG * V_NPH * V_NSB
 
-    kv_len = tl.load(KV_LENS + b)
-    start = pid_s * SPLIT_LEN
-    end = tl.minimum(start + SPLIT_LEN, kv_len)
-    if HAS_START:
-        kv_start = tl.load(KV_START + b)
-        start = tl.maximum(start, (kv_start // BLOCK_N) * BLOCK_N)
+    kv_len, kv_start, start, end = _split_bounds(KV_LENS, KV_START, b, pid_s, SPLIT_LEN,
+                                                 BLOCK_N, HAS_START)
 
     rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     rmask = rows < M_TOTAL
@@ -465,11 +480,7 @@ def _phase_decode_kernel(
     for n0 in range(start, end, BLOCK_N):
         offs_n = n0 + tl.arange(0, BLOCK_N)
         nmask = offs_n < end
-        if PAGE > 0:
-            page = tl.load(PT + b.to(tl.int64) * PT_STRIDE + n0 // PAGE).to(tl.int64)
-            on = page * PAGE + (n0 % PAGE) + tl.arange(0, BLOCK_N).to(tl.int64)
-        else:
-            on = offs_n.to(tl.int64)
+        on = _row_index(PT, PT_STRIDE, b, n0, offs_n, PAGE, BLOCK_N)
         m2 = nmask[:, None]
         # ---- scores: per phase dot; factor per scale block (q8_0/q4_0) or per group (turbo)
         k_row = (kbase + on * sks)[:, None]
