@@ -6,6 +6,9 @@
   (`lens`). Attention is the
   cascade (prefix read once per layer per forward for all agents) merged with each agent's own suffix
   by LSE. transformers' attention mask is ignored: the cache knows every agent's length.
+  A host-tier document (`polykv.pool.residency.HostLayer`) is read in chunks through a
+  `PrefixStreamer` (`streamed_cascade_attention`): one copy per chunk per layer per forward, shared
+  by every agent of the forward.
 
 It implements the polykv attention protocol (`polykv.hf.attention`): `update` marks the cache
 active and returns the new rows; `attend(module, query, ...)` returns [B, q_len, Hq, D].
@@ -22,7 +25,8 @@ from ..cache.accounting import storage_bytes
 from ..cache.layer import CompressedLayer
 from ..cache.pages import PagedRows, PageTable
 from ..hf.attention import activate
-from .attention import cascade_attention
+from .attention import PrefixStreamer, cascade_attention, streamed_cascade_attention
+from .residency import HostLayer
 
 
 def dummy_mask(batch: int, q_len: int, device) -> torch.Tensor:
@@ -54,25 +58,30 @@ class Group:
 class AgentCache(Cache):
     """Per-agent private suffix storage over one shared compressed prefix (see module doc).
 
-    doc_layers: the document's CompressedLayers (batch 1, compacted; shared, never written)
+    doc_layers: the document's CompressedLayers (batch 1, compacted; shared, never written), or its
+        HostLayers (host tier: streamed to `device` in chunks)
     prefix_start: per layer, absolute position of prefix row 0; doc_len: P (suffix row 0 sits at P)
     windows: per layer sliding window or None
     batch_capacity / seq_capacity: slots and pages to allocate up front (batch_capacity *
         ceil(seq_capacity / PAGE_SIZE) pages; more are added on demand).
+    device: where suffixes live and attention runs (default: the document layers' device; the pool
+        passes its device, which host-tier layers are not on).
     """
 
     def __init__(self, doc_layers: list[CompressedLayer], prefix_start: list[int], doc_len: int,
                  windows: list[int | None], batch_capacity: int = 4, seq_capacity: int = 0,
-                 backend: str = "auto", page_size: int = PAGE_SIZE):
+                 backend: str = "auto", page_size: int = PAGE_SIZE, device=None):
         super().__init__(layers=[])
         self.doc_layers = doc_layers
         self.prefix_start = prefix_start
         self.doc_len = int(doc_len)
         self.windows = windows
         self.backend = backend
-        self.device = doc_layers[0].device
+        self.device = torch.device(device) if device is not None else doc_layers[0].device
+        self.streamed = isinstance(doc_layers[0], HostLayer)
+        self.streamer = PrefixStreamer(self.device) if self.streamed else None
         self.pages = PageTable(page_size, self.device)
-        self.store = [PagedRows(d.k_codec, d.v_codec, d.kv_heads, page_size, d.device, d.key_scales)
+        self.store = [PagedRows(d.k_codec, d.v_codec, d.kv_heads, page_size, self.device, d.key_scales)
                       for d in doc_layers]
         self.lens = torch.zeros(0, dtype=torch.long)  # host: valid suffix rows per slot
         self._nbytes: tuple[int, int] | None = None
@@ -141,7 +150,12 @@ class AgentCache(Cache):
         return self._nbytes[1]
 
     def tensors(self) -> list[torch.Tensor]:
+        """The suffix page pools of every layer."""
         return [t for st in self.store for t in st.tensors()]
+
+    def buffer_tensors(self) -> list[torch.Tensor]:
+        """Device buffers of the prefix streamer (host-tier documents on CUDA; else none)."""
+        return self.streamer.tensors() if self.streamer is not None else []
 
     def scratch_row(self) -> int:
         return self.store[0].scratch_row
@@ -197,6 +211,14 @@ class AgentCache(Cache):
         g = self._group
         doc = self.doc_layers[li]
         sk, sv = self.store[li].pool()
+        if self.streamed:
+            out, _ = streamed_cascade_attention(
+                query, self.streamer.chunks(doc), sk, sv, g.lens, doc.k_codec, doc.v_codec,
+                sm_scale=scaling, k_innerq=doc.key_scales, window=self.windows[li],
+                prefix_start=self.prefix_start[li], prefix_end=self.doc_len, backend=self.backend,
+                suffix_pages=self.pages.device_table()[g.sel], page_size=self.pages.page_size,
+                suffix_rows=g.seq)
+            return out.transpose(1, 2)
         out, _ = cascade_attention(
             query, doc.keys(), doc.values(), sk, sv, g.lens, doc.k_codec, doc.v_codec,
             sm_scale=scaling, k_innerq=doc.key_scales, window=self.windows[li],

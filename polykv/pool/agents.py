@@ -19,7 +19,9 @@ Semantics
   copy), a removed agent's pages are reused, and the last slot's page-table row moves into the hole
   (live agents always occupy slots 0..n-1; no K/V row is copied).
 * On CUDA, a decode step of agents in slots 0..n-1 replays a captured CUDA graph
-  (`decode_graph.py`; `graphs=False` or POLYKV_CUDA_GRAPHS=0 keeps it eager).
+  (`decode_graph.py`; `graphs=False` or POLYKV_CUDA_GRAPHS=0 keeps it eager). A batch over a
+  host-tier document streams its prefix (`attention.PrefixStreamer`: host copies, events and a side
+  stream, none of which a captured graph replays) and always runs eager steps.
 * A batch is not thread-safe by itself; use one batch per thread (the pool is thread-safe).
 """
 
@@ -52,14 +54,14 @@ class AgentBatch:
         self.doc_id = doc.id
         self.cache = AgentCache(doc.layers, doc.prefix_start, doc.length, pool._windows,
                                 batch_capacity=capacity or 4, seq_capacity=seq_capacity or 0,
-                                backend=backend)
+                                backend=backend, device=pool.device)
         self._agents: dict[int, _Agent] = {}
         self._slots: list[int] = []  # slot -> aid
         self._ids = itertools.count()
         self._closed = False
         self.peak_bytes = self.cache.nbytes()
         self._graphs = None  # captured decode steps (CUDA), see decode_graph.py
-        if graphs:
+        if graphs and not self.cache.streamed:  # host tier: eager steps (see module doc)
             from .decode_graph import DecodeGraphs, graphs_supported
 
             if graphs_supported(self.cache):

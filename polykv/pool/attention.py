@@ -195,3 +195,116 @@ def prefill_attention_split(q: torch.Tensor, hist_k: torch.Tensor, hist_v: torch
                                        scale=scale)
     out, _ = _merge_fn()(out_h.reshape(B, Hq, C, D), lse_h.reshape(B, Hq, C), out_c, lse_c)
     return out.transpose(1, 2)
+
+
+# --- host-tier documents: the prefix streamed in chunks ---------------------------------------------
+class PrefixStreamer:
+    """Brings the chunks of a host-tier layer (`polykv.pool.residency.HostLayer`) to the device, one
+    per cascade step; one streamer per agent batch, so one copy per chunk per layer per forward feeds
+    every agent of the batch.
+
+    CPU device: yields Packed views of the host chunks themselves (nothing to copy).
+    CUDA: each chunk is ONE non-blocking copy of its pinned contiguous buffer into one of two device
+    buffers (double buffering), issued on a side stream one chunk ahead, so chunk i+1 crosses while
+    the cascade over chunk i runs. The compute stream waits for a chunk's copy event before reading
+    it; a buffer is refilled only after the compute stream recorded that it is done with it.
+    Counters: `chunks_read` / `bytes_read` (chunks and bytes yielded, copied or not)."""
+
+    def __init__(self, device):
+        self.device = torch.device(device)
+        self.buffers: list[torch.Tensor] = []  # CUDA: two uint8 [max chunk bytes] buffers
+        self.chunks_read = 0
+        self.bytes_read = 0
+        self._side = self._ready = self._free = None
+
+    def tensors(self) -> list[torch.Tensor]:
+        """The device buffers (GPU memory this streamer holds; empty on CPU)."""
+        return list(self.buffers)
+
+    def chunks(self, layer):
+        """Yield (k Packed, v Packed leading [1, Hkv, rows], row0) for every chunk of `layer`, in
+        row order, readable on the device. A yielded view is valid until the next one is asked for."""
+        if self.device.type != "cuda":
+            for c in layer.chunks:
+                self.chunks_read += 1
+                self.bytes_read += c.nbytes
+                k, v = c.packed()
+                yield k, v, c.row0
+            return
+        yield from self._cuda_chunks(layer)
+
+    def _cuda_chunks(self, layer):
+        need = layer.max_chunk_bytes()
+        if not self.buffers or self.buffers[0].numel() < need:
+            self.buffers = [torch.empty(need, dtype=torch.uint8, device=self.device) for _ in range(2)]
+            self._side = torch.cuda.Stream(self.device)
+            self._ready = [torch.cuda.Event() for _ in range(2)]
+            self._free = [torch.cuda.Event() for _ in range(2)]
+        main = torch.cuda.current_stream(self.device)
+        chunks = layer.chunks
+
+        def issue(i):
+            j = i % 2
+            self._side.wait_event(self._free[j])  # never overwrite a buffer the cascade still reads
+            with torch.cuda.stream(self._side):
+                self.buffers[j][: chunks[i].nbytes].copy_(chunks[i].data, non_blocking=True)
+                self._ready[j].record(self._side)
+
+        if chunks:
+            issue(0)
+        for i, c in enumerate(chunks):
+            if i + 1 < len(chunks):
+                issue(i + 1)
+            j = i % 2
+            main.wait_event(self._ready[j])
+            self.chunks_read += 1
+            self.bytes_read += c.nbytes
+            k, v = c.packed(self.buffers[j])
+            yield k, v, c.row0
+            self._free[j].record(main)  # the cascade over chunk i is queued on `main`
+
+
+def streamed_cascade_attention(q, chunks, suffix_k, suffix_v, suffix_lens, k_codec, v_codec, *,
+                               prefix_end: int, sm_scale=None, k_innerq=None, window=None,
+                               prefix_start=0, backend: str = "auto", suffix_pages=None,
+                               page_size: int = 0, suffix_rows: int | None = None):
+    """`cascade_attention` with the shared prefix given as chunks of rows instead of one Packed.
+
+    q [N, Hq, n_q, D]; chunks: iterable of (k, v, row0), Packed leading [1, Hkv, rows] holding prefix
+    rows [row0, row0 + rows) (`PrefixStreamer.chunks`); prefix_start: absolute position of prefix row
+    0, prefix_end: absolute position of suffix row 0 (the document length; required: a chunk is not
+    the whole prefix). The suffix arguments are `cascade_attention`'s. Each chunk is one cascade call
+    (all agents at once); the first carries the agents' suffixes, later ones none: full-attention
+    layers pass suffix lengths 0 (every prefix row is visible to every query, whatever its position),
+    sliding-window layers (always the reference path) keep the real lengths, which place the
+    queries, and give it no suffix rows (suffix_rows=0, or a 0-row dense suffix). The partial
+    results are merged by LSE in float32 (`dispatch.merge_attention`), cast to q.dtype once.
+    Sliding-window layers: chunk row i sits at prefix_start + row0 + i, so the window rule is the
+    unchunked one. Returns out [N, Hq, n_q, D] (q.dtype), lse float32 [N, Hq, n_q]: the unchunked
+    cascade's values up to float rounding."""
+    merge = _merge_fn()
+    out = lse = None
+    rest = None  # (suffix_k, suffix_v, lens) of the chunks after the first
+    for pk, pv, row0 in chunks:
+        first = out is None
+        if not first and rest is None:
+            if window is None:
+                rest = (suffix_k, suffix_v, torch.zeros_like(suffix_lens))
+            elif suffix_pages is None:
+                none = (slice(None), slice(None), slice(0, 0))
+                rest = (suffix_k.index(none), suffix_v.index(none), suffix_lens)
+            else:
+                rest = (suffix_k, suffix_v, suffix_lens)
+        sk, sv, lens = (suffix_k, suffix_v, suffix_lens) if first else rest
+        o, l = cascade_attention(q, pk, pv, sk, sv, lens, k_codec, v_codec, sm_scale=sm_scale,
+                                 k_innerq=k_innerq, window=window,
+                                 prefix_start=prefix_start + int(row0), prefix_end=prefix_end,
+                                 backend=backend, suffix_pages=suffix_pages, page_size=page_size,
+                                 suffix_rows=suffix_rows if first else 0)
+        if first:
+            out, lse = o.float(), l
+        else:
+            out, lse = merge(out, lse, o.float(), l)
+    if out is None:
+        raise ValueError("streamed_cascade_attention: no prefix chunks (a document has >= 1 row)")
+    return out.to(q.dtype), lse

@@ -5,10 +5,19 @@ Lifecycle
   one compressed copy per layer (`CompressedLayer`, batch 1, compacted). Sliding-window layers keep
   only the last window-1 rows (their absolute start position is recorded). The same token ids added
   twice give the same document id (no second prefill).
-* Documents are refcounted: every open `AgentBatch` holds one reference. `budget_bytes` bounds the
-  shared (prefix) bytes: unreferenced documents are evicted least-recently-used first; a document in
-  use is never evicted. Evicted documents keep their token ids; using one again re-prefills it exactly
-  (with a `warnings.warn`).
+* Documents are refcounted: every open `AgentBatch` holds one reference.
+* Residency tiers (`residency.py`): "gpu" (compressed layers on the pool's device), "host" (in host
+  memory, pinned on a CUDA pool; attention streams the prefix in chunks of `stream_chunk_rows`
+  rows), "evicted" (token ids only). `gpu_budget_bytes` (old name: `budget_bytes`) bounds the
+  GPU-tier documents plus the suffix pages (and prefix-stream buffers) of open batches: while over
+  it, the least recently used unreferenced GPU document moves to the host tier when it fits there
+  (after dropping host documents used less recently than it), else it is evicted.
+  `host_budget_bytes` (None or 0: no host tier) bounds the host-tier documents: over it, LRU
+  unreferenced host documents are evicted. A document in use is never moved out of the tier its
+  open batches read. Opening a batch on an unreferenced host document promotes it to the GPU when
+  it fits the GPU budget once unreferenced GPU documents are demoted (LRU); otherwise the batch
+  streams it from the host. Evicted documents keep their token ids; using one again re-prefills it
+  exactly (with a `warnings.warn`).
 * All pool state is guarded by an RLock; forwards of different batches run outside the lock.
 """
 
@@ -27,6 +36,10 @@ from ..cache.accounting import storage_bytes
 from ..cache.layer import CompressedLayer
 from ..codecs import InnerQTable, check_codec_name, get_codec
 from ..errors import DocumentInUseError, PoolError, UnknownDocumentError  # noqa: F401 (re-exported)
+from .residency import (document_bytes, gpu_nbytes, host_nbytes, layer_tensors, tier_of, to_device,
+                        to_host)
+
+TIERS = ("gpu", "host", "evicted")
 
 
 class PoolFormatError(ValueError):
@@ -41,7 +54,7 @@ class _Document:
     ids: list[int]
     chat: bool = False
     tail: str = ""  # chat: text that closes the user turn after the agent's question
-    layers: list[CompressedLayer] | None = None
+    layers: list | None = None  # CompressedLayer (gpu tier) or HostLayer (host tier); None: evicted
     prefix_start: list[int] = field(default_factory=list)
     refs: int = 0
     last_used: float = 0.0
@@ -55,13 +68,13 @@ class _Document:
     def resident(self) -> bool:
         return self.layers is not None
 
+    @property
+    def tier(self) -> str:
+        """"gpu", "host" or "evicted" (residency.py)."""
+        return tier_of(self.layers)
+
     def tensors(self) -> list[torch.Tensor]:
-        out = []
-        for l in self.layers or []:
-            for p in (l.k, l.v):
-                if p is not None:
-                    out += [p.codes] + ([p.scales] if p.scales is not None else [])
-        return out
+        return [t for l in self.layers or [] for t in layer_tensors(l)]
 
 
 def ids_sha256(ids: list[int]) -> str:
@@ -77,8 +90,14 @@ class SharedKVPool:
     k, v: KV storage types (`polykv.codecs.CODEC_NAMES`), shared prefix and agent suffixes alike;
         they override `preset` ("default" = K q8_0 / V turbo3, "balanced", "max": polykv.presets).
     device: where the compressed KV lives (default: the model's device).
-    budget_bytes: bound on resident bytes — shared prefixes plus the suffix pages of open batches
-        (None: unbounded); documents not in use are evicted (LRU) to stay under it.
+    budget_bytes: the old name of gpu_budget_bytes (same meaning; give one, or both equal).
+    gpu_budget_bytes: bound on GPU-tier bytes — GPU-tier shared prefixes plus the suffix pages (and
+        prefix-stream buffers) of open batches (None: unbounded); documents not in use are demoted
+        to the host tier or evicted (LRU) to stay under it (module doc).
+    host_budget_bytes: bound on host-tier document bytes (None or 0: no host tier; documents over
+        the GPU budget are evicted, as before tiers existed).
+    stream_chunk_rows: prefix rows per host chunk (one contiguous host buffer per chunk and layer,
+        one host-to-device copy each when a batch streams the document).
     innerq: an `InnerQTable`, a path to one, or "auto" (the model's calibrated table, if any); used
         only when K is a turbo type.
     prefill_chunk: tokens per prefill forward. Default (None): 4096 where the flash split path of
@@ -90,7 +109,9 @@ class SharedKVPool:
 
     def __init__(self, model, tok, k: str | None = None, v: str | None = None, device=None,
                  budget_bytes: int | None = None, innerq=None, prefill_chunk: int | None = None,
-                 progress: bool | None = None, preset: str | None = None):
+                 progress: bool | None = None, preset: str | None = None,
+                 gpu_budget_bytes: int | None = None, host_budget_bytes: int | None = None,
+                 stream_chunk_rows: int = 4096):
         from ..hf.attention import use_polykv_attention
         from ..hf.layout import kv_layout
         from ..presets import resolve
@@ -100,7 +121,14 @@ class SharedKVPool:
         self.model, self.tok = model, tok
         self.k_type, self.v_type = check_codec_name(k), check_codec_name(v)
         self.device = torch.device(device) if device is not None else next(model.parameters()).device
-        self.budget_bytes = budget_bytes
+        if budget_bytes is not None and gpu_budget_bytes is not None and budget_bytes != gpu_budget_bytes:
+            raise ValueError(f"budget_bytes={budget_bytes} and gpu_budget_bytes={gpu_budget_bytes} differ: "
+                             f"budget_bytes is the old name of gpu_budget_bytes, give one")
+        self.gpu_budget_bytes = gpu_budget_bytes if gpu_budget_bytes is not None else budget_bytes
+        self.host_budget_bytes = host_budget_bytes
+        if int(stream_chunk_rows) < 1:
+            raise ValueError(f"stream_chunk_rows must be >= 1, got {stream_chunk_rows}")
+        self.stream_chunk_rows = int(stream_chunk_rows)
         if prefill_chunk is None:
             half = getattr(model, "dtype", None) in (torch.float16, torch.bfloat16)
             prefill_chunk = 4096 if self.device.type == "cuda" and half else 512
@@ -128,6 +156,15 @@ class SharedKVPool:
         self._pad_id = int(pad) if pad is not None else 0
         self.peak_agent_bytes = 0
         self.last_generate: dict = {}
+
+    @property
+    def budget_bytes(self) -> int | None:
+        """The old name of `gpu_budget_bytes` (settable)."""
+        return self.gpu_budget_bytes
+
+    @budget_bytes.setter
+    def budget_bytes(self, value: int | None) -> None:
+        self.gpu_budget_bytes = value
 
     # --- documents ---------------------------------------------------------------------------
     def add_document(self, text_or_ids, name: str | None = None,
@@ -183,10 +220,11 @@ class SharedKVPool:
             del self._docs[doc]
 
     def documents(self) -> list[dict]:
-        """[{id, name, tokens, bytes, refs, resident}] (bytes: measured compressed prefix bytes)."""
+        """[{id, name, tokens, bytes, refs, resident, tier}] (bytes: measured compressed prefix bytes
+        in its tier; tier: "gpu" | "host" | "evicted"; resident: tier != "evicted")."""
         with self._lock:
             return [dict(id=d.id, name=d.name, tokens=d.length, bytes=storage_bytes(d.tensors()),
-                         refs=d.refs, resident=d.resident) for d in self._docs.values()]
+                         refs=d.refs, resident=d.resident, tier=d.tier) for d in self._docs.values()]
 
     def evict(self, doc: str) -> None:
         """Drop a document's KV now (keeps its token ids). Refuses while in use."""
@@ -202,22 +240,121 @@ class SharedKVPool:
         except KeyError:
             raise UnknownDocumentError(f"unknown document {doc!r}; known: {sorted(self._docs)}", doc) from None
 
-    def _enforce_budget(self, keep: str | None = None) -> None:
-        if self.budget_bytes is None:
-            return
-        while True:
-            resident = [d for d in self._docs.values() if d.resident]
-            agents = [t for bt in list(self._batches) if not bt._closed for t in bt.cache.tensors()]
-            total = storage_bytes([t for d in resident for t in d.tensors()] + agents)
-            if total <= self.budget_bytes:
+    def move(self, doc: str, tier: str) -> None:
+        """Move a document to `tier` ("gpu", "host" or "evicted") now, whatever the budgets say for
+        it; other unreferenced documents are then demoted / evicted (LRU) to fit the budgets.
+        Refuses (DocumentInUseError) while agent batches read it."""
+        if tier not in TIERS:
+            raise ValueError(f"unknown tier {tier!r}; tiers: {', '.join(TIERS)}")
+        with self._lock:
+            d = self._doc(doc)
+            if d.refs:
+                raise DocumentInUseError(f"document {doc!r} is in use; cannot move it to {tier!r}")
+            if tier == "evicted":
+                d.layers = None
                 return
-            victims = sorted((d for d in resident if d.refs == 0 and d.id != keep),
+            if d.layers is None:
+                self._prefill(d)
+            if tier == "gpu" and d.tier == "host":
+                d.layers = to_device(d.layers, self.device)
+            elif tier == "host" and d.tier == "gpu":
+                d.layers = to_host(d.layers, self.stream_chunk_rows, self.device.type == "cuda")
+            self._enforce_budget(fixed=doc)
+
+    def _open_batches(self) -> list:
+        return [b for b in list(self._batches) if not b._closed]
+
+    def _tier_tensors(self, tier: str) -> list[torch.Tensor]:
+        return [t for d in self._docs.values() if d.tier == tier for t in d.tensors()]
+
+    def _gpu_tier_bytes(self) -> int:
+        """What gpu_budget_bytes bounds, measured: GPU-tier documents + suffix pages and stream
+        buffers of open batches."""
+        batches = [t for b in self._open_batches() for t in b.cache.tensors() + b.cache.buffer_tensors()]
+        return storage_bytes(self._tier_tensors("gpu") + batches)
+
+    def _enforce_budget(self, keep: str | None = None, fixed: str | None = None) -> None:
+        """Fit both budgets (module doc). keep: moved last (to the host tier only, never evicted);
+        fixed: never moved."""
+        self._fit_gpu(keep=keep, fixed=fixed)
+        self._fit_host(fixed=fixed or keep)
+
+    def _fit_gpu(self, keep: str | None = None, fixed: str | None = None, extra: int = 0,
+                 host_release: int = 0) -> bool:
+        """Demote / evict unreferenced GPU documents, least recently used first (`keep` last, only
+        to the host, `fixed` never) until GPU-tier bytes + `extra` fit gpu_budget_bytes.
+        host_release: host bytes about to be freed (a promotion in progress). False if it cannot."""
+        budget = self.gpu_budget_bytes
+        if budget is None:
+            return True
+        while True:
+            total = self._gpu_tier_bytes() + extra
+            if total <= budget:
+                return True
+            victims = sorted((d for d in self._docs.values()
+                              if d.tier == "gpu" and d.refs == 0 and d.id != fixed),
+                             key=lambda d: (d.id == keep, d.last_used))
+            v = victims[0] if victims else None
+            if v is not None and self._demote(v, host_release):
+                continue
+            if v is None or v.id == keep:
+                warnings.warn(f"polykv pool: {total} GPU-tier bytes exceed gpu_budget_bytes={budget}, but "
+                              f"every other document is in use", stacklevel=4)
+                return False
+            v.layers = None
+
+    def _demote(self, d: _Document, host_release: int = 0) -> bool:
+        """Move GPU document `d` to the host tier if it fits host_budget_bytes once host documents
+        used less recently than `d` (unreferenced) are evicted; evicts those it needs. False (nothing
+        changed) if it cannot fit."""
+        budget = self.host_budget_bytes or 0
+        need = host_nbytes(d.layers, self.stream_chunk_rows)
+        free = budget - (storage_bytes(self._tier_tensors("host")) - host_release)
+        older = sorted((h for h in self._docs.values()
+                        if h.tier == "host" and h.refs == 0 and h.last_used <= d.last_used),
+                       key=lambda h: h.last_used)
+        sizes = [document_bytes(h.layers) for h in older]
+        if need > free + sum(sizes):
+            return False
+        for h, n in zip(older, sizes):
+            if need <= free:
+                break
+            h.layers = None
+            free += n
+        d.layers = to_host(d.layers, self.stream_chunk_rows, self.device.type == "cuda")
+        return True
+
+    def _fit_host(self, fixed: str | None = None) -> None:
+        """Evict unreferenced host documents (LRU; `fixed` never) while the host tier exceeds
+        host_budget_bytes."""
+        budget = self.host_budget_bytes or 0
+        while True:
+            total = storage_bytes(self._tier_tensors("host"))
+            if total <= budget:
+                return
+            victims = sorted((d for d in self._docs.values()
+                              if d.tier == "host" and d.refs == 0 and d.id != fixed),
                              key=lambda d: d.last_used)
             if not victims:
-                warnings.warn(f"polykv pool: {total} resident bytes exceed budget_bytes="
-                              f"{self.budget_bytes}, but every other document is in use", stacklevel=3)
+                warnings.warn(f"polykv pool: {total} host-tier bytes exceed host_budget_bytes={budget}, "
+                              f"but every other host document is in use", stacklevel=4)
                 return
             victims[0].layers = None
+
+    def _promote(self, d: _Document) -> bool:
+        """Bring unreferenced host document `d` to the GPU tier if it fits gpu_budget_bytes once
+        unreferenced GPU documents are demoted; False (d stays in the host tier) otherwise."""
+        need = gpu_nbytes(d.layers)
+        if self.gpu_budget_bytes is not None:
+            batches = [t for b in self._open_batches() for t in b.cache.tensors() + b.cache.buffer_tensors()]
+            pinned = storage_bytes([t for x in self._docs.values() if x.tier == "gpu" and x.refs
+                                    for t in x.tensors()] + batches)
+            if pinned + need > self.gpu_budget_bytes:
+                return False
+            if not self._fit_gpu(fixed=d.id, extra=need, host_release=document_bytes(d.layers)):
+                return False
+        d.layers = to_device(d.layers, self.device)
+        return True
 
     # --- prefill -----------------------------------------------------------------------------
     def _new_layers(self, batch: int = 1) -> list[CompressedLayer]:
@@ -308,21 +445,26 @@ class SharedKVPool:
 
     # --- agents ------------------------------------------------------------------------------
     def open_batch(self, doc: str, capacity: int | None = None, seq_capacity: int | None = None,
-                   backend: str = "auto", graphs: bool = True):
+                   backend: str = "auto", graphs: bool = True, promote: bool = True):
         """An `AgentBatch` over `doc` (holds a reference until closed). An evicted document is
         re-prefilled from its token ids (warns). capacity / seq_capacity: initial agent slots and
         suffix rows to allocate (grown on demand). graphs: replay captured CUDA graphs for decode
-        steps where supported (CUDA, full-attention layers)."""
+        steps where supported (CUDA, full-attention layers, not a streamed host-tier document).
+        promote: bring an unreferenced host-tier document to the GPU tier when it fits (module
+        doc); False: the batch streams it from the host (the offload benchmark, tests)."""
         from .agents import AgentBatch
 
         with self._lock:
             d = self._doc(doc)
+            d.last_used = time.monotonic()
             if not d.resident:
                 warnings.warn(f"polykv pool: document {doc!r} ({d.name or 'unnamed'}, {d.length} tokens) "
                               f"was evicted; re-prefilling it", stacklevel=2)
                 self._prefill(d)
+                self._enforce_budget(keep=doc)  # may go straight to the host tier
+            elif d.tier == "host" and d.refs == 0 and promote:
+                self._promote(d)
             d.refs += 1
-            d.last_used = time.monotonic()
             try:
                 batch = AgentBatch(self, d, capacity, seq_capacity, backend, graphs)
             except BaseException:
@@ -441,6 +583,11 @@ class SharedKVPool:
             (the single-agent naive figure; N-agent naive figures are measured by
             `polykv.bench.fanout`, which really allocates the N copies)
         ratio: kv_bytes_naive_f16 / kv_bytes_shared
+        kv_bytes_gpu / kv_bytes_host: the GPU-tier / host-tier documents' compressed prefixes
+            (kv_bytes_shared = kv_bytes_gpu + kv_bytes_host)
+        kv_bytes_stream_buffers: device buffers of batches streaming host-tier documents
+        gpu_tier_bytes: what gpu_budget_bytes bounds (GPU-tier documents + suffix pages + stream
+            buffers); tiers: documents per tier
         """
         with self._lock:
             docs = [d for d in self._docs.values() if d.resident]
@@ -448,7 +595,13 @@ class SharedKVPool:
             batches = [b for b in list(self._batches) if not b._closed]
             agents = storage_bytes([t for b in batches for t in b.cache.tensors()])
             naive = sum(d.naive_f16_bytes for d in docs)
+            gpu, host = (storage_bytes(self._tier_tensors(t)) for t in ("gpu", "host"))
+            buffers = storage_bytes([t for b in batches for t in b.cache.buffer_tensors()])
+            tiers = {t: sum(d.tier == t for d in self._docs.values()) for t in TIERS}
             return dict(kv_bytes_shared=shared, kv_bytes_agents=agents, kv_bytes_naive_f16=naive,
+                        kv_bytes_gpu=gpu, kv_bytes_host=host, kv_bytes_stream_buffers=buffers,
+                        gpu_tier_bytes=self._gpu_tier_bytes(), tiers=tiers,
+                        gpu_budget_bytes=self.gpu_budget_bytes, host_budget_bytes=self.host_budget_bytes,
                         ratio=(naive / shared) if shared else 0.0,
                         documents=len(self._docs), resident_documents=len(docs),
                         open_batches=len(batches), agents=sum(len(b) for b in batches),
@@ -472,4 +625,7 @@ class SharedKVPool:
         or invalid manifest field (see persist.py)."""
         from .persist import load_pool
 
-        return load_pool(cls, path, model, tok, **kwargs)
+        pool = load_pool(cls, path, model, tok, **kwargs)
+        with pool._lock:  # a save holds every resident document in the GPU form: fit the budgets
+            pool._enforce_budget()
+        return pool
