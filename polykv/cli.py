@@ -285,7 +285,13 @@ def serve(
     k: Optional[str] = typer.Option(None, "--k", help="Key type (overrides the preset)."),
     v: Optional[str] = typer.Option(None, "--v", help="Value type (overrides the preset)."),
     store: Optional[str] = typer.Option(None, "--store", help="Directory where documents persist."),
-    budget_bytes: Optional[int] = typer.Option(None, "--budget-bytes", help="KV memory budget."),
+    budget_bytes: Optional[int] = typer.Option(None, "--budget-bytes", help="KV memory budget (the old name "
+                                               "of --gpu-budget)."),
+    gpu_budget: Optional[int] = typer.Option(None, "--gpu-budget", help="Bytes of GPU-tier KV: documents + agent "
+                                             "suffixes on the device (documents beyond it move to the host "
+                                             "tier, or are evicted)."),
+    host_budget: Optional[int] = typer.Option(None, "--host-budget", help="Bytes of host-tier documents (pinned "
+                                              "host memory, streamed into attention; default: no host tier)."),
     torch_threads: Optional[int] = typer.Option(None, "--torch-threads", help="Engine intra-op threads."),
     api_key: Optional[str] = typer.Option(None, "--api-key", envvar="POLYKV_API_KEY", show_envvar=True,
                                           help="Require 'Authorization: Bearer KEY' on every route but /health."),
@@ -293,7 +299,10 @@ def serve(
     """OpenAI-compatible HTTP server over shared compressed documents."""
     from .server import serve as _serve
 
-    _serve(host=host, port=port, model=model, k=k, v=v, store=store, budget_bytes=budget_bytes,
+    if budget_bytes is not None and gpu_budget is not None and budget_bytes != gpu_budget:
+        raise typer.BadParameter("--budget-bytes is the old name of --gpu-budget: give one (or equal values)")
+    _serve(host=host, port=port, model=model, k=k, v=v, store=store,
+           budget_bytes=gpu_budget if gpu_budget is not None else budget_bytes, host_budget_bytes=host_budget,
            torch_threads=torch_threads, api_key=api_key, preset=preset)
 
 

@@ -30,9 +30,10 @@ def _store_has_pool(store: str | os.PathLike) -> bool:
 
 
 def build_pool(model, tok, *, k: str = "q8_0", v: str = "turbo3", store=None, budget_bytes=None, device=None,
-               innerq=None):
+               innerq=None, host_budget_bytes=None):
     """SharedKVPool (loaded from `store` when it holds a saved pool); DensePool if the shared pool is
-    not importable."""
+    not importable. budget_bytes: the GPU-tier budget (`gpu_budget_bytes`); host_budget_bytes: the
+    host tier's (None: no host tier)."""
     try:
         from ..pool import SharedKVPool
     except ImportError as exc:  # pragma: no cover - only while the pool package is incomplete
@@ -41,14 +42,14 @@ def build_pool(model, tok, *, k: str = "q8_0", v: str = "turbo3", store=None, bu
 
         return DensePool(model, tok, k=k, v=v, device=device, budget_bytes=budget_bytes)
     if store is not None and _store_has_pool(store):
-        pool = SharedKVPool.load(str(store), model, tok)
-        if budget_bytes is not None and hasattr(pool, "budget_bytes"):
-            pool.budget_bytes = budget_bytes
-        return pool
-    return SharedKVPool(model, tok, k=k, v=v, device=device, budget_bytes=budget_bytes, innerq=innerq)
+        return SharedKVPool.load(str(store), model, tok, gpu_budget_bytes=budget_bytes,
+                                 host_budget_bytes=host_budget_bytes)
+    return SharedKVPool(model, tok, k=k, v=v, device=device, budget_bytes=budget_bytes, innerq=innerq,
+                        host_budget_bytes=host_budget_bytes)
 
 
-def _make_app(model=None, k="q8_0", v="turbo3", store=None, budget_bytes=None, innerq=None, **app_kw):
+def _make_app(model=None, k="q8_0", v="turbo3", store=None, budget_bytes=None, innerq=None,
+              host_budget_bytes=None, **app_kw):
     from ..hf.loading import load_model
     from .app import create_app
 
@@ -56,7 +57,8 @@ def _make_app(model=None, k="q8_0", v="turbo3", store=None, budget_bytes=None, i
     m, tok = load_model(model)
     if store is not None:
         Path(store).mkdir(parents=True, exist_ok=True)
-    pool = build_pool(m, tok, k=k, v=v, store=store, budget_bytes=budget_bytes, innerq=innerq)
+    pool = build_pool(m, tok, k=k, v=v, store=store, budget_bytes=budget_bytes, innerq=innerq,
+                      host_budget_bytes=host_budget_bytes)
     return create_app(pool, model_name=str(name), k=k, v=v, store=str(store) if store else None, **app_kw)
 
 
@@ -76,10 +78,12 @@ def check_bind(host: str, api_key: str | None) -> bool:
 def serve(host: str = "127.0.0.1", port: int = 8000, model: str | None = None, k: str | None = None,
           v: str | None = None, store: str | None = None, budget_bytes: int | None = None,
           log_level: str = "info", torch_threads: int | None = None, api_key: str | None = None,
-          max_body_bytes: int | None = None, preset: str | None = None) -> None:
+          max_body_bytes: int | None = None, preset: str | None = None,
+          host_budget_bytes: int | None = None) -> None:
     """Load the model, build (or load from `store`) the pool and serve until interrupted.
 
     `preset` (polykv.presets; default "default") gives K/V types and InnerQ; `k` / `v` override it.
+    `budget_bytes`: the pool's GPU-tier budget; `host_budget_bytes`: its host tier (None: none).
     `torch_threads`: intra-op threads of the engine (None: torch's default).
     `api_key`: Bearer key for every route but /health (None: $POLYKV_API_KEY, else open; binding a
     non-loopback host without one logs a warning). `max_body_bytes`: larger bodies get 413.
@@ -97,6 +101,7 @@ def serve(host: str = "127.0.0.1", port: int = 8000, model: str | None = None, k
 
     k, v, innerq = resolve(preset, k, v)
     app = _make_app(model=model, k=k, v=v, store=store, budget_bytes=budget_bytes, innerq=innerq,
+                    host_budget_bytes=host_budget_bytes,
                     engine_kwargs={"num_threads": torch_threads}, **app_kw)
     uvicorn.run(app, host=host, port=port, log_level=log_level, timeout_graceful_shutdown=5)
 

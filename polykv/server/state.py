@@ -180,7 +180,19 @@ class ServerState:
         out = {k: v for k, v in info.items() if not k.startswith("_")}
         out["object"] = "document"
         out["agents"] = self.engine.users_of(info["_handle"])
+        tier = self.tier_of(info["_handle"])
+        if tier is not None:
+            out["tier"] = tier
         return out
+
+    def tier_of(self, handle) -> str | None:
+        """The document's residency tier now ("gpu" | "host" | "evicted"; the pool moves documents
+        between steps, so it is read live, not mirrored: one dict lookup, never waits for a step);
+        None for pools without tiers."""
+        docs = getattr(self.pool, "_docs", None)
+        d = docs.get(handle) if isinstance(docs, dict) else None
+        tier = getattr(d, "tier", None)
+        return tier if isinstance(tier, str) else None
 
     def save_store(self) -> None:
         """Engine thread: persist the pool when a store directory is configured."""
