@@ -77,23 +77,6 @@ def format_prompt(tok, context: str, question: str, answer_prefix: str = "") -> 
     return list(tok(context + "\n\nQuestion: " + question + "\nAnswer:" + tail)["input_ids"])
 
 
-def eos_ids(tok, model=None) -> set[int]:
-    ids = set()
-    if tok.eos_token_id is not None:
-        ids.add(int(tok.eos_token_id))
-    gen = getattr(model, "generation_config", None) if model is not None else None
-    e = getattr(gen, "eos_token_id", None)
-    if isinstance(e, int):
-        ids.add(e)
-    elif isinstance(e, (list, tuple)):
-        ids.update(int(x) for x in e)
-    for t in ("<|im_end|>", "<end_of_turn>"):
-        tid = tok.convert_tokens_to_ids(t) if t in tok.get_vocab() else None
-        if tid is not None:
-            ids.add(int(tid))
-    return ids
-
-
 def make_cache(model, k: str, v: str, innerq=None, keep_layers_q8: int = 0):
     from ..hf.kv_cache import KVCache
 

@@ -29,7 +29,8 @@ import time
 
 import torch
 
-from .common import decode_steps, eos_ids, format_prompt, load_prompts, make_cache, prefill
+from ..generation import stop_token_ids
+from .common import decode_steps, format_prompt, load_prompts, make_cache, prefill
 from .common import progress as _bar
 
 FORMAT_HELP = """\
@@ -71,7 +72,7 @@ def reference_runs(model, tok, prompts=None, max_new_tokens: int = DEFAULT_MAX_N
                    progress: bool = True) -> list[dict]:
     """Greedy f16-KV answers with their per-step distributions (reusable across cache types)."""
     rows = load_prompts(prompts)
-    stop = eos_ids(tok, model)
+    stop = stop_token_ids(tok, model)
     refs = []
     for r in _bar(rows, desc="equiv f16 reference", enabled=progress):
         ids = format_prompt(tok, r["context"], r["question"])
@@ -98,7 +99,7 @@ def eval_equiv(model, tok, k: str = "q8_0", v: str = "turbo3", prompts=None, inn
     t0 = time.time()
     if refs is None:
         refs = reference_runs(model, tok, prompts, max_new_tokens, progress)
-    stop = eos_ids(tok, model)
+    stop = stop_token_ids(tok, model)
     tvs, n_real, mismatch, hits, per = [], 0, 0, 0, []
     for ref in _bar(refs, desc=f"equiv {k}/{v}", enabled=progress):
         cache = make_cache(model, k, v, innerq=innerq, keep_layers_q8=keep_layers_q8)

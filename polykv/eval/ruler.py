@@ -25,7 +25,8 @@ import time
 
 import torch
 
-from .common import decode_steps, eos_ids, format_prompt, load_text, make_cache, prefill
+from ..generation import stop_token_ids
+from .common import decode_steps, format_prompt, load_text, make_cache, prefill
 from .common import progress as _bar
 
 TASKS = ("niah", "vt", "codes")
@@ -140,7 +141,7 @@ def make_samples(tok, task: str, ctx: int | None, samples: int | None, seed: int
 @torch.inference_mode()
 def _score(model, tok, items, k, v, innerq, keep_layers_q8, max_new, show,
            match=None) -> tuple[list[bool], list[str]]:
-    stop = eos_ids(tok, model)
+    stop = stop_token_ids(tok, model)
     ok, answers = [], []
     for it in _bar(items, desc=f"ruler {k}/{v}", enabled=show):
         cache = make_cache(model, k, v, innerq=innerq, keep_layers_q8=keep_layers_q8)
