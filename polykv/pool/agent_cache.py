@@ -79,7 +79,8 @@ class AgentCache(Cache):
         self.backend = backend
         self.device = torch.device(device) if device is not None else doc_layers[0].device
         self.streamed = isinstance(doc_layers[0], HostLayer)
-        self.streamer = PrefixStreamer(self.device) if self.streamed else None
+        self.streamer = (PrefixStreamer(self.device, max(l.max_chunk_bytes() for l in doc_layers))
+                         if self.streamed else None)
         self.pages = PageTable(page_size, self.device)
         self.store = [PagedRows(d.k_codec, d.v_codec, d.kv_heads, page_size, self.device, d.key_scales)
                       for d in doc_layers]

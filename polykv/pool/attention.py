@@ -210,9 +210,10 @@ class PrefixStreamer:
     it; a buffer is refilled only after the compute stream recorded that it is done with it.
     Counters: `chunks_read` / `bytes_read` (chunks and bytes yielded, copied or not)."""
 
-    def __init__(self, device):
+    def __init__(self, device, max_chunk_bytes: int = 0):
         self.device = torch.device(device)
-        self.buffers: list[torch.Tensor] = []  # CUDA: two uint8 [max chunk bytes] buffers
+        self.max_chunk_bytes = int(max_chunk_bytes)  # the largest chunk of any layer it will stream
+        self.buffers: list[torch.Tensor] = []  # CUDA: two uint8 [max_chunk_bytes] buffers
         self.chunks_read = 0
         self.bytes_read = 0
         self._side = self._ready = self._free = None
@@ -235,11 +236,17 @@ class PrefixStreamer:
 
     def _cuda_chunks(self, layer):
         need = layer.max_chunk_bytes()
-        if not self.buffers or self.buffers[0].numel() < need:
-            self.buffers = [torch.empty(need, dtype=torch.uint8, device=self.device) for _ in range(2)]
+        if not self.buffers:  # allocated once, for every layer: never freed while copies are queued
             self._side = torch.cuda.Stream(self.device)
+            self.buffers = [torch.empty(max(need, self.max_chunk_bytes), dtype=torch.uint8, device=self.device)
+                            for _ in range(2)]
+            for b in self.buffers:
+                b.record_stream(self._side)
             self._ready = [torch.cuda.Event() for _ in range(2)]
             self._free = [torch.cuda.Event() for _ in range(2)]
+        if self.buffers[0].numel() < need:
+            raise ValueError(f"PrefixStreamer: a chunk of {need} bytes exceeds max_chunk_bytes="
+                             f"{self.buffers[0].numel()}")
         main = torch.cuda.current_stream(self.device)
         chunks = layer.chunks
 
