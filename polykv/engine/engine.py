@@ -321,16 +321,21 @@ class Engine:
         return rows
 
     def kv_usage(self) -> tuple[int, int | None]:
-        """(measured KV bytes held, the pool's budget_bytes or None). Engine thread (``call``).
+        """(measured KV bytes held against the GPU budget, the pool's budget_bytes or None). Engine
+        thread (``call``).
 
-        Held = the pool's resident documents + live agent storage (``memory_report()``'s
-        ``kv_bytes_shared + kv_bytes_agents``) + the dense batch of plain requests."""
+        Held = what the pool's GPU budget bounds (``memory_report()["gpu_tier_bytes"]``: GPU-tier
+        documents, live agent storage, stream buffers — host-tier documents do not count; a pool
+        without tiers: ``kv_bytes_shared + kv_bytes_agents``) + the dense batch of plain requests."""
         budget = getattr(self.pool, "budget_bytes", None)
         used = 0
         report = getattr(self.pool, "memory_report", None)
         if report is not None:
             rep = report()
-            used += int(rep.get("kv_bytes_shared") or 0) + int(rep.get("kv_bytes_agents") or 0)
+            if rep.get("gpu_tier_bytes") is not None:
+                used += int(rep["gpu_tier_bytes"])
+            else:
+                used += int(rep.get("kv_bytes_shared") or 0) + int(rep.get("kv_bytes_agents") or 0)
         plain = self._batches.get(_PLAIN)
         if plain is not None and hasattr(plain, "kv_bytes"):
             used += int(plain.kv_bytes())

@@ -103,7 +103,10 @@ class ServerState:
         if need is None:
             return
         used, _ = self.engine.kv_usage()
-        evictable = sum(int(d["bytes"]) for d in self.pool.documents() if d["resident"] and not d["refs"])
+        # bytes the pool can free on the GPU for the new document: unreferenced documents there (they
+        # move to the host tier or are evicted); a pool without tiers: every resident document
+        evictable = sum(int(d["bytes"]) for d in self.pool.documents()
+                        if d.get("tier", "gpu" if d["resident"] else "evicted") == "gpu" and not d["refs"])
         pinned = used - evictable
         if pinned + need > budget:
             raise BudgetExceededError(f"document {name or 'unnamed'!r} ({len(ids)} tokens) needs {need} bytes of KV "

@@ -4,7 +4,6 @@ or loaded from the store), and the document listing and status show each documen
 from __future__ import annotations
 
 import httpx
-import pytest
 
 from polykv.server import ServerThread, create_app
 from polykv.server.runner import build_pool
@@ -62,9 +61,6 @@ def test_document_listing_and_status_show_the_tier():
         assert mem["kv_bytes_gpu"] + mem["kv_bytes_host"] == mem["kv_bytes_shared"] and mem["kv_bytes_host"] > 0
 
 
-@pytest.mark.xfail(strict=True, reason="engine admission (polykv/engine/engine.py kv_usage) counts host-tier "
-                   "documents against the GPU budget (kv_bytes_shared + kv_bytes_agents); it should count "
-                   "memory_report()['gpu_tier_bytes']")
 def test_server_admits_documents_the_host_tier_holds():
     model, tok = tiny_model()
     probe = build_pool(model, tok)
