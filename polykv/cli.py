@@ -239,6 +239,49 @@ def bench_e2e_cmd(
         con.print(f"[red]error[/red] {e['scenario']} {e.get('agents', '')}: {e['error'][:300]}")
 
 
+@bench_app.command("offload")
+def bench_offload_cmd(
+    agents: str = typer.Option("1,8,32,64", "--agents", help="Agent counts over one document."),
+    ctx: str = typer.Option("65536,262144", "--ctx", help="Document tokens (comma list)."),
+    layers: int = typer.Option(4, "--layers", help="Model layers."),
+    suffix_tokens: int = typer.Option(64, "--suffix-tokens", help="Private tokens per agent."),
+    steps: int = typer.Option(10, "--steps", help="Timed decode steps (median reported)."),
+    warmup: int = typer.Option(2, "--warmup"),
+    k: str = typer.Option("q8_0", "--k"),
+    v: str = typer.Option("turbo3", "--v"),
+    stream_chunk_rows: int = typer.Option(16384, "--stream-chunk-rows", help="Prefix rows per host chunk."),
+    device: str = typer.Option("cuda", "--device", help="cuda, or cpu (smoke runs at small sizes)."),
+    tiny: bool = typer.Option(False, "--tiny", help="A toy model of the same family (CPU tests)."),
+    out: Optional[str] = typer.Option(None, "--out", help="Write gpu_offload.json here."),
+    json_out: bool = typer.Option(False, "--json"),
+):
+    """Decode steps over a host-resident (streamed) document vs the same document GPU-resident vs
+    transformers' offloaded DynamicCache, with the pinned H2D bandwidth measured in the same run
+    (issue H; needs a CUDA GPU)."""
+    from pathlib import Path
+
+    import torch
+
+    if device.startswith("cuda") and not torch.cuda.is_available():
+        raise typer.BadParameter("`polykv bench offload` needs a CUDA GPU (none found); --device cpu for a smoke run")
+    from .bench.offload import TABLE_COLUMNS, bench_offload
+
+    def ints(s: str) -> tuple[int, ...]:
+        return tuple(int(x) for x in s.split(",") if x)
+
+    result = bench_offload(agents=ints(agents), ctxs=ints(ctx), layers=layers, suffix_tokens=suffix_tokens,
+                           steps=steps, warmup=warmup, k=k, v=v, stream_chunk_rows=stream_chunk_rows,
+                           device=device, tiny=tiny, log=lambda m: print(m, file=sys.stderr, flush=True))
+    if out:
+        Path(out).mkdir(parents=True, exist_ok=True)
+        (Path(out) / "gpu_offload.json").write_text(json.dumps(result, indent=1, default=str))
+    if json_out:
+        emit(result)
+        return
+    _console().print(_table("host-resident (streamed) vs GPU-resident vs offloaded dense (ms per step)",
+                            result["rows"], TABLE_COLUMNS, {c: "{:.3g}" for c in TABLE_COLUMNS[3:]}))
+
+
 @bench_app.command("serve")
 def bench_serve_cmd(
     clients: int = typer.Option(32, "--clients"),

@@ -4,7 +4,7 @@ stdout is exactly one JSON object carrying the contract fields (checked for type
 Every command runs on a 2-layer random Llama saved as a local HF directory with SmolLM2's real
 tokenizer (chat template included), so each takes seconds (the real SmolLM2 demo: tests/test_demo.py).
 `bench fanout` / `bench e2e` are covered by tests/bench. GPU-only commands must fail on a CPU machine
-with a message that says so. Not tested because not implemented yet: `bench offload`, `bench spec`.
+with a message that says so. Not tested because not implemented yet: `bench spec`.
 """
 
 from __future__ import annotations
@@ -201,6 +201,24 @@ def test_bench_e2e_on_cuda_needs_a_gpu():
     text = " ".join(res.output.replace("\u2502", " ").split())  # rich's error box, re-flowed
     assert res.exit_code == 2 and "needs a CUDA GPU" in text and "--device cpu" in text
     assert "{" not in res.stdout
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the CPU refusal")
+def test_bench_offload_on_cuda_needs_a_gpu():
+    res = run_cli(["bench", "offload", "--json"], ok=False)
+    text = " ".join(res.output.replace("\u2502", " ").split())  # rich's error box, re-flowed
+    assert res.exit_code == 2 and "`polykv bench offload` needs a CUDA GPU" in text and "--device cpu" in text
+    assert "{" not in res.stdout
+
+
+def test_bench_offload_cpu_smoke_json():
+    """`polykv bench offload --device cpu --tiny`: one JSON object, rows per (agents, tier) with the
+    DESIGN §6 fields; the host row measured with the document really in the host tier."""
+    obj = run_json(["bench", "offload", "--device", "cpu", "--tiny", "--agents", "1", "--ctx", "128",
+                    "--layers", "1", "--steps", "1", "--warmup", "0", "--stream-chunk-rows", "64"])
+    assert [r["tier"] for r in obj["rows"]] == ["gpu", "host", "offloaded"]
+    assert all({"agents", "ctx", "tier", "ms", "h2d_gbps", "h2d_peak_gbps"} <= set(r) for r in obj["rows"])
+    assert obj["rows"][1]["doc_tier"] == "host" and obj["rows"][1]["ms"] > 0
 
 
 # --- polykv serve --------------------------------------------------------------------------------
