@@ -196,18 +196,11 @@ def test_bench_attention_needs_a_gpu():
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the CPU refusal")
-def test_bench_e2e_on_cuda_needs_a_gpu():
-    res = run_cli(["bench", "e2e", "--json"], ok=False)
+@pytest.mark.parametrize("command", ["e2e", "offload"])
+def test_bench_on_cuda_needs_a_gpu(command):
+    res = run_cli(["bench", command, "--json"], ok=False)
     text = " ".join(res.output.replace("\u2502", " ").split())  # rich's error box, re-flowed
-    assert res.exit_code == 2 and "needs a CUDA GPU" in text and "--device cpu" in text
-    assert "{" not in res.stdout
-
-
-@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the CPU refusal")
-def test_bench_offload_on_cuda_needs_a_gpu():
-    res = run_cli(["bench", "offload", "--json"], ok=False)
-    text = " ".join(res.output.replace("\u2502", " ").split())  # rich's error box, re-flowed
-    assert res.exit_code == 2 and "`polykv bench offload` needs a CUDA GPU" in text and "--device cpu" in text
+    assert res.exit_code == 2 and f"`polykv bench {command}` needs a CUDA GPU" in text and "--device cpu" in text
     assert "{" not in res.stdout
 
 
