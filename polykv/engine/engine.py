@@ -13,8 +13,16 @@ The loop, per iteration: run queued calls; drop cancelled requests; admit waitin
 ``max_prefill_per_step`` requests and ``prefill_token_budget`` prompt tokens per iteration, so
 prefill of newcomers interleaves with decode of the running ones instead of stalling it) into the AgentBatch of their document (one batch per document, opened on demand,
 closed when empty; requests without a document go to a dense batch); then step every batch in turn,
-sample one token per agent with its own sampler, stream it, and retire agents that hit eos, a stop
-string or ``max_tokens``. Requests join and leave between steps.
+choose one token per agent with its own parameters and seed, stream it, and retire agents that hit
+eos, a stop string or ``max_tokens``. Requests join and leave between steps.
+
+Token choice: a batch with a device path (``set_sampling`` + ``step_tokens``: AgentBatch) chooses
+every agent's token, greedy or sampled, where the logits are, in one vectorised call per forward
+(`polykv.generation.choose_tokens`), with one device-to-host copy of the ids per step; each request's
+parameters and seed are written to the batch once, at admission. Other batches (DenseBatch) return
+logits and each request's `Sampler` draws the same way on the host. A request's draws depend only on
+(its seed, its token index, the vocabulary id): a seeded request gives the same tokens whatever runs
+beside it; an unseeded one gets a seed drawn once at admission.
 
 Failures stay with the request that caused them:
 
@@ -498,6 +506,7 @@ class Engine:
                 aid = batch.add(list(req.prompt_ids))
                 self.check_budget()
                 st = _Live(h, key, aid, frozenset() if req.params.ignore_eos else self.eos_ids)
+                _set_sampling(batch, aid, st)
             except Exception as exc:
                 if aid is not None:
                     try:
@@ -544,7 +553,10 @@ class Engine:
                                                       usage=_usage(st.handle, len(st.tokens))))
                     continue
                 try:
-                    tok = lg if isinstance(lg, int) else st.sampler(lg)
+                    if not isinstance(lg, int):  # a batch without a device path: draw on the host
+                        st.sampler.index = len(st.tokens)
+                        lg = st.sampler(lg)
+                    tok = lg
                     if self._advance(st, tok):
                         feed[aid] = tok
                 except Exception as exc:  # this agent's sampling / detokenizing / stop check
@@ -554,13 +566,11 @@ class Engine:
         self._close_empty()
 
     def _step_batch(self, key, batch) -> dict:
-        """One step of a batch: {aid: logits} — or {aid: token id} when every live agent of the
-        batch decodes greedily and the batch chooses tokens on its device (`AgentBatch.step_tokens`:
-        argmax where the logits are, one copy of the ids instead of every agent's logits)."""
-        step_tokens = getattr(batch, "step_tokens", None)
-        if step_tokens is not None and all(st.sampler.params.greedy for st in self._live.values()
-                                           if st.key == key):
-            return step_tokens()
+        """One step of a batch: {aid: token id} chosen on the batch's device (`AgentBatch.step_tokens`
+        with the rows `_set_sampling` gave it: one copy of the ids, no logits on the host), or
+        {aid: logits} from a batch without a device path (each request's `Sampler` draws)."""
+        if _device_path(batch):
+            return batch.step_tokens()
         return batch.step()
 
     def _feed(self, key, batch, feed: dict) -> None:
@@ -580,7 +590,8 @@ class Engine:
 
     def _isolate(self, key, failed) -> dict:
         """``failed.step()`` raised. Move its agents to a new batch one at a time, each re-added with
-        its history and stepped alone; fail those whose own step fails. Returns their logits."""
+        its history and stepped alone; fail those whose own step fails. Returns their tokens or
+        logits (`_step_batch`)."""
         lives = [st for st in self._live.values() if st.key == key]
         try:
             batch = self._new_batch(key)  # before closing the failed one: the document stays held
@@ -606,7 +617,8 @@ class Engine:
             try:
                 st.aid = batch.add(list(st.handle.request.prompt_ids) + st.tokens)
                 self._live[(key, st.aid)] = st
-                out[st.aid] = batch.step()[st.aid]  # only this agent has input pending
+                _set_sampling(batch, st.aid, st)  # continues its stream at token len(st.tokens)
+                out[st.aid] = self._step_batch(key, batch)[st.aid]  # only this agent has input pending
             except Exception as exc:
                 log.warning("request %s fails on its own (%s: %s)", st.handle.request.request_id,
                             type(exc).__name__, exc)
@@ -681,6 +693,19 @@ class Engine:
                 self._batches.pop(key).close()
             except Exception:  # pragma: no cover
                 pass
+
+
+def _device_path(batch) -> bool:
+    """Whether `batch` chooses tokens on its device with per-agent parameters."""
+    return hasattr(batch, "step_tokens") and hasattr(batch, "set_sampling")
+
+
+def _set_sampling(batch, aid, st: _Live) -> None:
+    """Give a device-path batch the request's parameters, seed and next token index (= tokens it
+    has drawn, so a re-added agent continues its stream)."""
+    if _device_path(batch):
+        p, s = st.sampler.params, st.sampler
+        batch.set_sampling(aid, p.temperature, p.top_p, p.top_k or 0, s.seed, start=len(st.tokens))
 
 
 def _usage(handle: RequestHandle, completion_tokens: int) -> dict:

@@ -3,6 +3,7 @@
     batch = pool.open_batch(doc)          # holds a reference on the document until close()
     aid = batch.add(prompt_ids)           # queue the agent's suffix tokens (prefilled at next step)
     logits = batch.step()                 # {aid: float32 [vocab]} next-token logits, every live agent
+    batch.set_sampling(aid, temperature=0.8, top_p=0.95, seed=7)  # the agent's own draws (optional)
     tokens = batch.step_tokens()          # {aid: next token id}, chosen on the device (greedy default)
     batch.feed({aid: token_id, ...})      # queue one more token per agent
     batch.remove(aid); len(batch); batch.close()
@@ -32,6 +33,8 @@ from dataclasses import dataclass, field
 
 import torch
 
+from ..generation import SamplingRows
+
 
 @dataclass
 class _Agent:
@@ -40,6 +43,7 @@ class _Agent:
     pending: list[int] = field(default_factory=list)
     tokens: list[int] = field(default_factory=list)  # suffix tokens processed so far
     logits: torch.Tensor | None = None
+    sampling: tuple[bool, bool] | None = None  # set_sampling: (draws at random, top-k/top-p filtered)
 
 
 class AgentBatch:
@@ -60,6 +64,7 @@ class AgentBatch:
         self._ids = itertools.count()
         self._closed = False
         self.peak_bytes = self.cache.nbytes()
+        self._rows = SamplingRows(self.cache.batch_capacity, pool.device)  # per-slot set_sampling
         self._graphs = None  # captured decode steps (CUDA), see decode_graph.py
         if graphs and not self.cache.streamed:  # host tier: eager steps (see module doc)
             from .decode_graph import DecodeGraphs, graphs_supported
@@ -80,6 +85,7 @@ class AgentBatch:
         if slot >= self.cache.batch_capacity:
             self.cache.reserve(max(2 * self.cache.batch_capacity, slot + 1))
         self.cache.clear_slot(slot)
+        self._rows.reserve(slot + 1)
         self._slots.append(aid)
         self._agents[aid] = _Agent(aid, slot, pending=ids)
         return aid
@@ -89,6 +95,18 @@ class AgentBatch:
         that they grow without reallocating storage (which would also drop captured steps)."""
         self._check_open()
         self.cache.reserve_rows(rows)
+
+    def set_sampling(self, aid: int, temperature: float = 0.0, top_p: float = 1.0, top_k: int | None = 0,
+                     seed: int = 0, start: int = 0) -> None:
+        """Give agent `aid` its own sampling parameters for `step_tokens` (`generation.choose_tokens`:
+        its draws depend on (seed, token index, vocabulary id) only, not on the other agents);
+        `start`: index of its next token (a re-added agent continues its stream). Written to the
+        batch's device rows once, not per step."""
+        from ..generation import is_greedy
+
+        a = self._get(aid)
+        self._rows.set(a.slot, temperature, top_p, top_k or 0, seed, start)
+        a.sampling = (not is_greedy(temperature, top_k), bool(top_k and top_k > 0) or top_p < 1.0)
 
     def feed(self, tokens: dict[int, int]) -> None:
         """Queue one token per agent ({aid: token_id}) for the next step."""
@@ -102,6 +120,8 @@ class AgentBatch:
         if a.slot != last:
             moved = self._agents[self._slots[last]]
             self.cache.move_slot(last, a.slot)
+            if moved.sampling is not None:
+                self._rows.move(last, a.slot)
             moved.slot = a.slot
             self._slots[a.slot] = moved.aid
         else:
@@ -139,20 +159,42 @@ class AgentBatch:
     @torch.no_grad()
     def step_tokens(self, temperature: float = 0.0, top_p: float = 1.0, top_k: int = 0,
                     generator: torch.Generator | None = None) -> dict[int, int]:
-        """Run all pending tokens and choose each computed agent's next token on the device
-        (`polykv.generation.sample_rows`: greedy when temperature <= 0 or top_k == 1; `generator` on
-        the pool's device);
-        one device-to-host copy of the chosen ids per forward. Returns {aid: token id} for the
-        agents that had pending tokens."""
+        """Run all pending tokens and choose each computed agent's next token on the device; one
+        device-to-host copy of the chosen ids per call. Agents given `set_sampling` choose with their
+        own parameters and seeds (`SamplingRows.choose`: one vectorised draw per forward); the others
+        with this call's arguments (`polykv.generation.sample_rows`: greedy when temperature <= 0 or
+        top_k == 1; `generator` on the pool's device). Returns {aid: token id} for the agents that
+        had pending tokens."""
         from ..generation import is_greedy, sample_rows
 
-        out: dict[int, int] = {}
+        agents, chosen = [], []
         for group, logits, greedy in self._run_pending():
-            if is_greedy(temperature, top_k):
-                ids = greedy if greedy is not None else torch.argmax(logits, dim=-1)
-            else:
-                ids = sample_rows(logits, temperature, top_p, top_k, generator)
-            for a, t in zip(group, ids.tolist()):
+            own = [a.sampling for a in group]
+            ids = None
+            if any(s is None for s in own):
+                if is_greedy(temperature, top_k):
+                    ids = greedy if greedy is not None else torch.argmax(logits, dim=-1)
+                else:
+                    ids = sample_rows(logits, temperature, top_p, top_k, generator)
+            mine = [s for s in own if s is not None]
+            if any(s[0] for s in mine):  # greedy own rows need no parameters: the argmax below
+                if group[-1].slot == len(group) - 1:  # sorted distinct slots: 0..G-1, a view
+                    rows = slice(0, len(group))
+                else:
+                    rows = torch.tensor([a.slot for a in group], dtype=torch.long, device=logits.device)
+                drawn = self._rows.choose(logits, rows, filtered=any(s[1] for s in mine), greedy_ids=greedy)
+            elif mine:
+                drawn = greedy if greedy is not None else torch.argmax(logits, dim=-1)
+            if ids is None:
+                ids = drawn
+            elif mine:
+                has = torch.tensor([s is not None for s in own], device=ids.device)
+                ids = torch.where(has, drawn, ids)
+            agents.extend(group)
+            chosen.append(ids)
+        out: dict[int, int] = {}
+        if agents:
+            for a, t in zip(agents, _to_host(torch.cat(chosen))):
                 a.logits = None
                 out[a.aid] = t
         return out
@@ -231,6 +273,11 @@ class AgentBatch:
     def _check_open(self) -> None:
         if self._closed:
             raise RuntimeError("this AgentBatch is closed")
+
+
+def _to_host(ids: torch.Tensor) -> list[int]:
+    """The one device-to-host copy of a `step_tokens` call."""
+    return ids.tolist()
 
 
 def _mask(batch, q_len, device):
