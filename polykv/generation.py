@@ -275,7 +275,8 @@ class Sampler:
         dev = logits.device
         ints = torch.tensor([[int(p.top_k or 0), self.seed & _M32, self.seed >> 32, self.index]], device=dev)
         tok = choose_tokens(logits.reshape(1, -1), torch.tensor([float(p.temperature)], device=dev),
-                            torch.tensor([float(p.top_p)], device=dev), *ints.unbind(1))
+                            torch.tensor([float(p.top_p)], device=dev), *ints.unbind(1),
+                            filtered=bool(p.top_k and p.top_k > 0) or p.top_p < 1.0)
         self.index += 1
         return int(tok[0])
 
