@@ -33,8 +33,9 @@ Cascade (`cascade_attention_ref`: N agents over one shared prefix, merged by LSE
     domain       a turbo codec is read in its storage domain: q / s rotated once, rows are
                  centroid x norm (no inverse rotation per row), the merged output inverse-rotated
                  once (the rotation is orthogonal: the true-space result up to float rounding)
-    memory       agents are taken in chunks so that one score block holds at most _SCORE_BUDGET
-                 float32 elements; each chunk's suffix rows are decoded with it
+    memory       agents are taken in chunks (and one agent's query rows too, for a long prompt) so
+                 that one score block holds at most _SCORE_BUDGET float32 elements; each agent
+                 chunk's suffix rows are decoded once
     returns      as above: out [N, Hq, n_q, D] (q.dtype; merged in float32, cast once), lse
                  float32 [N, Hq, n_q]; a query that sees no key gets out 0 and lse -inf
 """
@@ -187,30 +188,36 @@ def cascade_attention_ref(q: torch.Tensor, prefix_k: Packed, prefix_v: Packed, s
     kidx_s = torch.arange(S, device=dev)
     out = torch.empty(N, Hkv, g * n_q, D, dtype=torch.float32, device=dev)
     lse = torch.empty(N, Hkv, g * n_q, dtype=torch.float32, device=dev)
-    step = max(1, _SCORE_BUDGET // max(1, Hq * n_q * max(P, S, 1)))
+    keys = max(P, S, 1)
+    step = max(1, _SCORE_BUDGET // max(1, Hq * n_q * keys))
     for a in range(0, N, step):
         b = min(N, a + step)
-        qc, qr = qf[a:b], qpos[a:b]
-        if P:
-            vis = None
-            if window is not None:
-                qabs = pend + qr  # [n, 1, g*n_q, 1]
-                vis = (kabs_p > qabs - int(window)) & (kabs_p <= qabs)
-            o, l = _softmax_av(torch.einsum("nhqd,hkd->nhqk", qc, kp), vis, vp, "nhqk,hkd->nhqd")
-        else:
-            o = torch.zeros(b - a, Hkv, g * n_q, D, device=dev)
-            l = torch.full((b - a, Hkv, g * n_q), float("-inf"), device=dev)
         if S:
-            rows = (slice(a, b),)
-            ks = dequantize_ref(suffix_k.index(rows), kc, torch.float32, rotated=kc.rotated)
-            vs = dequantize_ref(suffix_v.index(rows), vc, torch.float32, rotated=vc.rotated)
-            vis = (kidx_s < lens[a:b, None, None, None]) & (kidx_s <= qr)
-            if window is not None:
-                vis = vis & (kidx_s > qr - int(window))
-            o_s, l_s = _softmax_av(torch.einsum("nhqd,nhkd->nhqk", qc, ks), vis, vs,
-                                   "nhqk,nhkd->nhqd")
-            o, l = merge_attention_ref(o, l, o_s, l_s)
-        out[a:b], lse[a:b] = o, l
+            ag = (slice(a, b),)
+            ks = dequantize_ref(suffix_k.index(ag), kc, torch.float32, rotated=kc.rotated)
+            vs = dequantize_ref(suffix_v.index(ag), vc, torch.float32, rotated=vc.rotated)
+        # one agent's long prompt (n_q large) is split over its query rows as well
+        rstep = max(1, _SCORE_BUDGET // max(1, (b - a) * Hkv * keys))
+        for r0 in range(0, g * n_q, rstep):
+            r1 = min(g * n_q, r0 + rstep)
+            qc, qr = qf[a:b, :, r0:r1], qpos[a:b, :, r0:r1]
+            if P:
+                vis = None
+                if window is not None:
+                    qabs = pend + qr  # [n, 1, rows, 1]
+                    vis = (kabs_p > qabs - int(window)) & (kabs_p <= qabs)
+                o, l = _softmax_av(torch.einsum("nhqd,hkd->nhqk", qc, kp), vis, vp, "nhqk,hkd->nhqd")
+            else:
+                o = torch.zeros(b - a, Hkv, r1 - r0, D, device=dev)
+                l = torch.full((b - a, Hkv, r1 - r0), float("-inf"), device=dev)
+            if S:
+                vis = (kidx_s < lens[a:b, None, None, None]) & (kidx_s <= qr)
+                if window is not None:
+                    vis = vis & (kidx_s > qr - int(window))
+                o_s, l_s = _softmax_av(torch.einsum("nhqd,nhkd->nhqk", qc, ks), vis, vs,
+                                       "nhqk,nhkd->nhqd")
+                o, l = merge_attention_ref(o, l, o_s, l_s)
+            out[a:b, :, r0:r1], lse[a:b, :, r0:r1] = o, l
     if vc.rotated:
         out = vc.unrotate(out)
     return out.reshape(N, Hq, n_q, D).to(q.dtype), lse.reshape(N, Hq, n_q)

@@ -178,3 +178,20 @@ def test_no_allocation_grows_with_agents_times_prefix(monkeypatch):
     biggest = max(e.self_cpu_memory_usage for e in prof.events())
     assert out.shape == q.shape
     assert biggest <= 4 * Hkv * P * D * 4, f"{biggest / 2**20:.1f} MiB in one allocation"
+
+
+def test_long_prompt_split_over_query_rows(monkeypatch):
+    """One agent's long prompt (n_q = 512 queries x 8 heads over a 2048-row prefix): one score block
+    for all its rows would be 32 MiB; with the budget at 64 rows per block no allocation exceeds 2x
+    that block (the prefix's dense float32 rows dominate), and the result equals the unsplit one."""
+    Hkv, g, n_q, P, S, D = 1, 8, 512, 2048, 512, 64
+    q, packed, _, sl, kc, vc, _ = case("q8_0", "turbo3", D, Hkv, g, n_q, P, S, [S])
+    whole, lw = cascade_attention_ref(q, *packed, sl, kc, vc)
+    block = 64 * P  # float32 elements of a 64-row score block
+    monkeypatch.setattr(reference, "_SCORE_BUDGET", block)
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+        split, ls = cascade_attention_ref(q, *packed, sl, kc, vc)
+    biggest = max(e.self_cpu_memory_usage for e in prof.events())
+    assert biggest <= max(2 * block * 4, Hkv * P * D * 4), f"{biggest / 2**20:.1f} MiB in one allocation"
+    torch.testing.assert_close(split, whole, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(ls, lw, atol=1e-5, rtol=1e-5)
