@@ -510,8 +510,10 @@ class SharedKVPool:
         """Answer every prompt as one agent over `doc`; all agents run in one batched forward per
         step. prompts: a list of texts, conversations or suffix id lists (see `prompt_ids`). Greedy when
         temperature == 0. Generation stops at `polykv.generation.stop_token_ids`, at any `stop` string (cut
-        before it) or after max_new_tokens. Returns the decoded answers (special tokens skipped)."""
-        from ..generation import find_stop, is_greedy, sample_next, stop_token_ids
+        before it) or after max_new_tokens. Sampling (temperature > 0): agent i of the call draws
+        from its own stream seeded `seed + i` (a random seed when None), independent of the other
+        agents. Returns the decoded answers (special tokens skipped)."""
+        from ..generation import find_stop, is_greedy, stop_token_ids
 
         if isinstance(prompts, str):
             raise TypeError("prompts must be a list of prompts")
@@ -519,12 +521,11 @@ class SharedKVPool:
         suffixes = [self.prompt_ids(doc, p, chat_template) for p in prompts]
         stops = [stop] if isinstance(stop, str) else list(stop or [])
         eos = stop_token_ids(self.tok, self.model)
-        # Tokens are chosen on the device (one copy of the ids per step), except sampling on CPU,
-        # which keeps drawing per agent from a CPU generator (seeded outputs as before).
-        on_device = is_greedy(temperature, top_k) or self.device.type != "cpu"
-        gen = None
-        if seed is not None:
-            gen = torch.Generator(device=self.device if on_device else "cpu").manual_seed(int(seed))
+        # Tokens are chosen on the device, one copy of the ids per step. Sampled agents draw from
+        # their own counter-based streams (generation.choose_tokens): agent i of the call uses
+        # seed + i (a seed drawn once when none is given), whatever else runs beside it.
+        sampled = not is_greedy(temperature, top_k)
+        base_seed = int(seed) if seed is not None else int(torch.randint(0, 2**31 - 1, ()).item())
         outs: dict[int, list[int]] = {}
         steps = 0
         peak = 0
@@ -533,14 +534,13 @@ class SharedKVPool:
         with self.open_batch(doc, capacity=len(suffixes)) as batch:
             batch.reserve([len(s) + max_new_tokens for s in suffixes])  # pages each agent needs
             aids = [batch.add(s) for s in suffixes]
+            if sampled:
+                for i, a in enumerate(aids):
+                    batch.set_sampling(a, temperature, top_p, top_k, seed=base_seed + i)
             outs = {a: [] for a in aids}
             live = set(aids) if max_new_tokens > 0 else set()
             while live:
-                if on_device:
-                    chosen = batch.step_tokens(temperature, top_p, top_k, gen)
-                else:
-                    chosen = {a: sample_next(lg, temperature, top_p, top_k, gen)
-                              for a, lg in batch.step().items() if a in live}
+                chosen = batch.step_tokens()
                 steps += 1
                 feed = {}
                 for a in aids:

@@ -172,6 +172,12 @@ def test_sampling_seeded_and_stop(tiny):
     a = pool.generate(doc, [[5, 6]] * 3, max_new_tokens=8, temperature=1.0, top_p=0.9, top_k=20, seed=7)
     b = pool.generate(doc, [[5, 6]] * 3, max_new_tokens=8, temperature=1.0, top_p=0.9, top_k=20, seed=7)
     assert a == b
+    assert len(set(a)) > 1  # the same prompt three times: each agent has its own stream (seed + i)
+    # agent i of a call draws with seed + i whatever its neighbours are: the second agent of a
+    # two-agent call answers as a lone agent seeded one higher
+    kw = dict(max_new_tokens=8, temperature=1.0, top_p=0.9, top_k=20)
+    pair = pool.generate(doc, [[9, 10, 11], [5, 6]], seed=7, **kw)
+    assert pair[1] == pool.generate(doc, [[5, 6]], seed=8, **kw)[0] == a[1]
     full = pool.generate(doc, [[40, 41, 42]], max_new_tokens=8)[0]  # 8 tokens: no eos on the way
     assert len(full) == 8, full
     cut = pool.generate(doc, [[40, 41, 42]], max_new_tokens=8, stop=[full[2:4]])[0]
