@@ -1,7 +1,7 @@
 """Compressed K/V storage of one attention layer for a batch of sequences.
 
 Rows are encoded on write (InnerQ-scaled first for turbo keys) into preallocated packed storage
-that grows by doubling; nothing dense is kept. Sliding-window layers keep only the newest
+that grows in steps of an eighth of its capacity (`reserve`); nothing dense is kept. Sliding-window layers keep only the newest
 `keep` tokens (`trim`).
 """
 
@@ -50,12 +50,15 @@ class CompressedLayer:
     def reserve(self, needed: int, exact: bool = False) -> None:
         """Grow storage to hold at least `needed` rows; rows are kept. The first allocation (a
         prompt) and exact=True take `needed` rounded up to 64 rows, so held bytes track the payload;
-        later growth doubles (amortised copies)."""
+        later growth adds an eighth of the capacity (at least 64 rows): held bytes stay within
+        12.5 % + one 64-row granule of the payload while copies stay amortised (one copy of the
+        rows per ~capacity/8 appended rows, vs doubling's up to 2x held)."""
         if needed <= self.capacity:
             return
         cap = -(-int(needed) // _MIN_CAPACITY) * _MIN_CAPACITY
         if self.capacity and not exact:
-            cap = max(cap, 2 * self.capacity)
+            step = max(_MIN_CAPACITY, -(-self.capacity // (8 * _MIN_CAPACITY)) * _MIN_CAPACITY)
+            cap = max(cap, self.capacity + step)
         lead = (self.batch, self.kv_heads, cap)
         k_new = self.k_codec.empty(lead, self.device)
         v_new = self.v_codec.empty(lead, self.device)

@@ -33,3 +33,22 @@ def test_truncate_and_used_bytes():
     assert layer.nbytes() >= layer.used_nbytes()
     layer.truncate(4)
     assert layer.length == 4 and layer.used_nbytes() == 4 * per_row
+
+
+def test_growth_keeps_held_bytes_near_the_payload():
+    """Decode-style growth (one row at a time after a prompt): held bytes stay within 12.5 % plus one
+    64-row granule of the payload at every step (doubling would hold up to 2x), rows kept."""
+    layer = CompressedLayer.for_types("q8_0", "turbo3", 64, batch=1, kv_heads=2)
+    torch.manual_seed(1)
+    k, v = torch.randn(1, 2, 1300, 64), torch.randn(1, 2, 1300, 64)
+    layer.append(k[:, :, :700], v[:, :, :700])
+    per_row = layer.used_nbytes() // 700
+    grows = 0
+    for t in range(700, 1300):
+        cap = layer.capacity
+        layer.append(k[:, :, t:t + 1], v[:, :, t:t + 1])
+        grows += layer.capacity != cap
+        assert layer.nbytes() <= 1.125 * layer.used_nbytes() + 64 * per_row, (t, layer.capacity)
+    assert grows <= 8  # amortised: a copy every ~capacity/8 rows, not every row
+    dk, _ = layer.dense(torch.float32)
+    assert torch.allclose(dk, get_codec("q8_0", 64).decode(get_codec("q8_0", 64).encode(k)), atol=1e-6)
