@@ -102,6 +102,30 @@ def _row_index(PT, PT_STRIDE, b, n0, offs_n, PAGE: tl.constexpr, BLOCK_N: tl.con
 
 
 @triton.jit
+def _query_rows(pid_bh, pid_m, BLOCK_M: tl.constexpr, M_TOTAL, N_Q, kv_len):
+    """Row tile pid_m of a (sequence, KV head): (valid mask, global q row int64, the query's
+    position in the sequence) — row r = head_in_group * n_q + j sits at kv_len - n_q + j."""
+    rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    rmask = rows < M_TOTAL
+    q_rows = pid_bh.to(tl.int64) * M_TOTAL + rows
+    qpos = kv_len - N_Q + rows % N_Q
+    return rmask, q_rows, qpos
+
+
+@triton.jit
+def _store_split_lse(m_i, l_i, L_PART, q_rows, rmask, N_SPLITS, pid_s):
+    """End of a split: store its log-sum-exp (natural log; -inf for rows that saw no key) and
+    return (1 / l per row, 0 where empty; the rows' partial-output row index)."""
+    has = l_i > 0
+    inv = tl.where(has, 1.0 / tl.where(has, l_i, 1.0), 0.0)
+    lse = tl.where(has, (m_i + tl.log2(tl.where(has, l_i, 1.0))) * 0.6931471805599453,
+                   float("-inf"))
+    prow = q_rows * N_SPLITS + pid_s
+    tl.store(L_PART + prow, lse, mask=rmask)
+    return inv, prow
+
+
+@triton.jit
 def _decode_kernel(
         Q, KC, KS, VC, VS, KCENT, VCENT, KV_LENS, KV_START, PT, O_PART, L_PART,
         skb, skh, sks, sksb, sksh, skss,
@@ -128,10 +152,7 @@ def _decode_kernel(
     kv_len, kv_start, start, end = _split_bounds(KV_LENS, KV_START, b, pid_s, SPLIT_LEN,
                                                  BLOCK_N, HAS_START)
 
-    rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-    rmask = rows < M_TOTAL
-    q_rows = pid_bh.to(tl.int64) * M_TOTAL + rows
-    qpos = kv_len - N_Q + rows % N_Q
+    rmask, q_rows, qpos = _query_rows(pid_bh, pid_m, BLOCK_M, M_TOTAL, N_Q, kv_len)
 
     # q in the K tiles' column order (triton_codec.perm_cols), loaded once per program
     q0 = _load_q(Q, q_rows, rmask, 0, K_GW, K_NPH, D)
@@ -203,12 +224,7 @@ def _decode_kernel(
                        V_KIND, V_BITS, V_G, V_GW, V_NPH, V_DEC,
                        VA0, VA1, VA2, VA3, VA4, VA5, VA6, VA7)
 
-    has = l_i > 0
-    inv = tl.where(has, 1.0 / tl.where(has, l_i, 1.0), 0.0)
-    lse = tl.where(has, (m_i + tl.log2(tl.where(has, l_i, 1.0))) * 0.6931471805599453,
-                   float("-inf"))
-    prow = q_rows * N_SPLITS + pid_s
-    tl.store(L_PART + prow, lse, mask=rmask)
+    inv, prow = _store_split_lse(m_i, l_i, L_PART, q_rows, rmask, N_SPLITS, pid_s)
     o_off = prow * D
     _store_o(O_PART, o_off, rmask, acc0 * inv[:, None], 0, V_GW, V_NPH)
     if NGV > 1:
@@ -455,10 +471,7 @@ def _phase_decode_kernel(
     kv_len, kv_start, start, end = _split_bounds(KV_LENS, KV_START, b, pid_s, SPLIT_LEN,
                                                  BLOCK_N, HAS_START)
 
-    rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-    rmask = rows < M_TOTAL
-    q_rows = pid_bh.to(tl.int64) * M_TOTAL + rows
-    qpos = kv_len - N_Q + rows % N_Q
+    rmask, q_rows, qpos = _query_rows(pid_bh, pid_m, BLOCK_M, M_TOTAL, N_Q, kv_len)
 
     # q^T phases [K_PW, BLOCK_M] fp16, loaded once
     kw = tl.arange(0, K_PW)
@@ -541,12 +554,7 @@ def _phase_decode_kernel(
                             V_DEC, VA0, VA1, VA2, VA3, VA4, VA5, VA6, VA7, TRANS=True)
             accs = accs[:i] + (tl.dot(vt, pb, accs[i] * alpha[None, :]),) + accs[i + 1:]
 
-    has = l_i > 0
-    inv = tl.where(has, 1.0 / tl.where(has, l_i, 1.0), 0.0)
-    lse = tl.where(has, (m_i + tl.log2(tl.where(has, l_i, 1.0))) * 0.6931471805599453,
-                   float("-inf"))
-    prow = q_rows * N_SPLITS + pid_s
-    tl.store(L_PART + prow, lse, mask=rmask)
+    inv, prow = _store_split_lse(m_i, l_i, L_PART, q_rows, rmask, N_SPLITS, pid_s)
     vw = tl.arange(0, V_PW)
     for fp in tl.static_range(V_NP):
         tl.store(O_PART + (prow * D)[None, :] + (fp * V_PW + vw)[:, None],
