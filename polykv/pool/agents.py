@@ -157,37 +157,22 @@ class AgentBatch:
         return {aid: a.logits for aid, a in self._agents.items() if a.logits is not None}
 
     @torch.no_grad()
-    def step_tokens(self, temperature: float = 0.0, top_p: float = 1.0, top_k: int = 0,
-                    generator: torch.Generator | None = None) -> dict[int, int]:
+    def step_tokens(self) -> dict[int, int]:
         """Run all pending tokens and choose each computed agent's next token on the device; one
         device-to-host copy of the chosen ids per call. Agents given `set_sampling` choose with their
         own parameters and seeds (`SamplingRows.choose`: one vectorised draw per forward); the others
-        with this call's arguments (`polykv.generation.sample_rows`: greedy when temperature <= 0 or
-        top_k == 1; `generator` on the pool's device). Returns {aid: token id} for the agents that
-        had pending tokens."""
-        from ..generation import is_greedy, sample_rows
-
+        greedily. Returns {aid: token id} for the agents that had pending tokens."""
         agents, chosen = [], []
         for group, logits, greedy in self._run_pending():
+            ids = greedy if greedy is not None else torch.argmax(logits, dim=-1)
             own = [a.sampling for a in group]
-            ids = None
-            if any(s is None for s in own):
-                if is_greedy(temperature, top_k):
-                    ids = greedy if greedy is not None else torch.argmax(logits, dim=-1)
-                else:
-                    ids = sample_rows(logits, temperature, top_p, top_k, generator)
             mine = [s for s in own if s is not None]
-            if any(s[0] for s in mine):  # greedy own rows need no parameters: the argmax below
+            if any(s[0] for s in mine):  # greedy own rows need no parameters: the argmax above
                 if group[-1].slot == len(group) - 1:  # sorted distinct slots: 0..G-1, a view
                     rows = slice(0, len(group))
                 else:
                     rows = torch.tensor([a.slot for a in group], dtype=torch.long, device=logits.device)
                 drawn = self._rows.choose(logits, rows, filtered=any(s[1] for s in mine), greedy_ids=greedy)
-            elif mine:
-                drawn = greedy if greedy is not None else torch.argmax(logits, dim=-1)
-            if ids is None:
-                ids = drawn
-            elif mine:
                 has = torch.tensor([s is not None for s in own], device=ids.device)
                 ids = torch.where(has, drawn, ids)
             agents.extend(group)
