@@ -6,8 +6,6 @@ generation, how the next token is chosen, where a stop string cuts the text.
   its own parameters and seed, vectorised on the logits' device with a counter-based RNG
   (`gumbel_noise`); `SamplingRows` holds those per-row parameters as device tensors
   (`AgentBatch.set_sampling` / `step_tokens`: the engine's decode step).
-* `sample_rows` / `sample_next`: one rule for a whole batch drawn from a `torch.Generator`
-  (`SharedKVPool.generate`).
 * `SamplingParams` / `Sampler`: a request's parameters, its seed and token counter (engine; the
   host-logits path of batches without `step_tokens`, same draws as `choose_tokens`).
 * `find_stop` / `StopChecker`: stop strings over finished or streamed text.
@@ -24,7 +22,7 @@ import torch
 from .errors import InvalidRequestError
 
 __all__ = ["END_OF_TURN_TOKENS", "Sampler", "SamplingParams", "SamplingRows", "StopChecker", "choose_tokens",
-           "find_stop", "gumbel_noise", "hash32", "is_greedy", "sample_next", "sample_rows", "sample_token",
+           "find_stop", "gumbel_noise", "hash32", "is_greedy", "sample_token",
            "stop_token_ids"]
 
 #: Chat end-of-turn markers (ChatML, Gemma, Llama-3). A chat model closes its answer with one of these
@@ -66,41 +64,6 @@ def stop_token_ids(tok, model=None) -> frozenset[int]:
 def is_greedy(temperature: float | None, top_k: int | None = 0) -> bool:
     """Greedy (argmax, no random draw): temperature <= 0 (or None) or top_k == 1."""
     return temperature is None or temperature <= 0 or top_k == 1
-
-
-def sample_rows(logits: torch.Tensor, temperature: float = 0.0, top_p: float = 1.0,
-                top_k: int | None = 0, generator: torch.Generator | None = None) -> torch.Tensor:
-    """logits float [G, vocab] -> int64 [G] token ids, on the logits' device, without host syncs.
-
-    Greedy (`is_greedy`): argmax (ties: lowest id). Otherwise logits / temperature, filtered by top-k,
-    then top-p (the smallest set of most likely tokens whose probability reaches top_p; the most
-    likely token always stays), and one token per row drawn with `generator` (on the logits'
-    device). A row whose filtered distribution is not finite (all -inf / nan logits) takes the argmax.
-    """
-    logits = logits.detach().float()
-    best = torch.argmax(logits, dim=-1)
-    if is_greedy(temperature, top_k):
-        return best
-    x = logits / float(temperature)
-    if top_k and 0 < top_k < x.shape[-1]:
-        kth = torch.topk(x, top_k, dim=-1).values[:, -1:]
-        x = x.masked_fill(x < kth, float("-inf"))
-    if top_p is not None and top_p < 1.0:
-        sx, order = torch.sort(x, dim=-1, descending=True)
-        probs = torch.softmax(sx, -1)
-        drop = torch.cumsum(probs, -1) - probs >= top_p  # mass strictly before each token
-        drop[:, 0] = False
-        x = torch.full_like(x, float("-inf")).scatter(1, order, sx.masked_fill(drop, float("-inf")))
-    p = torch.softmax(x, -1)
-    ok = torch.isfinite(p).all(-1) & (p.sum(-1) > 0)
-    p = torch.where(ok[:, None], p, torch.nn.functional.one_hot(best, p.shape[-1]).to(p.dtype))
-    return torch.multinomial(p, 1, generator=generator)[:, 0]
-
-
-def sample_next(logits: torch.Tensor, temperature: float = 0.0, top_p: float = 1.0, top_k: int | None = 0,
-                generator: torch.Generator | None = None) -> int:
-    """logits float [vocab] -> token id: `sample_rows` on a batch of one row."""
-    return int(sample_rows(logits.reshape(1, -1), temperature, top_p, top_k, generator)[0])
 
 
 # Per-request sampling on the device. Every row has its own parameters and a counter-based random
@@ -251,9 +214,10 @@ class SamplingParams:
         return is_greedy(self.temperature, self.top_k)
 
 
-def sample_token(logits: torch.Tensor, params: SamplingParams, generator: torch.Generator | None = None) -> int:
-    """One token id from a ``[vocab]`` logits vector under ``params`` (`sample_next`)."""
-    return sample_next(logits, params.temperature, params.top_p, params.top_k, generator)
+def sample_token(logits: torch.Tensor, params: SamplingParams) -> int:
+    """One token id from a ``[vocab]`` logits vector under ``params``: a fresh `Sampler`'s first
+    draw (``params.seed``, or a random one)."""
+    return Sampler(params)(logits)
 
 
 class Sampler:

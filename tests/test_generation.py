@@ -141,18 +141,6 @@ def test_stop_token_ids_reads_the_text_config():
     assert stop_token_ids(_VocabTok(), M()) == {1, 7}
 
 
-def test_sample_next_is_one_row_of_sample_rows():
-    from polykv.generation import sample_next, sample_rows
-
-    torch.manual_seed(0)
-    lg = torch.randn(4, 500) * 3
-    for t, p, k in [(1.0, 1.0, 0), (0.7, 0.9, 50), (1.3, 0.5, 0), (0.0, 1.0, 0), (2.0, 1.0, 1)]:
-        g1, g2 = torch.Generator().manual_seed(5), torch.Generator().manual_seed(5)
-        rows = [int(sample_rows(lg[i:i + 1], t, p, k, g1)[0]) for i in range(4)]
-        assert rows == [sample_next(lg[i], t, p, k, g2) for i in range(4)]
-    assert int(sample_rows(lg, 2.0, top_k=1, generator=torch.Generator())[0]) == int(lg[0].argmax())
-
-
 def test_find_stop_is_the_earliest_occurrence():
     from polykv.generation import find_stop
 
