@@ -104,12 +104,12 @@ def _prep_q(q: torch.Tensor, k_codec, k_innerq, hkv: int) -> torch.Tensor:
     once when K is turbo; float32 then). Without either it stays in q's dtype (a view when q is
     contiguous): the kernels convert q on load, so a q8_0 / f16 K costs no preparation launch."""
     B, Hq, n_q, D = q.shape
-    if k_innerq is None and not getattr(k_codec, "rotated", False):
-        return q.reshape(B, hkv, (Hq // hkv) * n_q, D).contiguous()
-    qf = ref._innerq_q(q.float(), k_innerq)
-    if getattr(k_codec, "rotated", False):
-        qf = k_codec.rotate(qf)
-    return qf.reshape(B, hkv, (Hq // hkv) * n_q, D).contiguous()
+    rotated = getattr(k_codec, "rotated", False)
+    if k_innerq is not None or rotated:
+        q = ref._innerq_q(q.float(), k_innerq)
+        if rotated:
+            q = k_codec.rotate(q)
+    return q.reshape(B, hkv, (Hq // hkv) * n_q, D).contiguous()
 
 
 def _finish(out: torch.Tensor, v_codec) -> torch.Tensor:
