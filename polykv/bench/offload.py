@@ -14,6 +14,8 @@ h2d_gbps = stream_bytes / (ms_host - ms_gpu) (the streaming cost on top of the r
 only) and
 step_bound_ms = 1.33 * stream_bytes / h2d_peak + ms_gpu, issue H's target (ms <= step_bound_ms).
 h2d_peak_gbps: a 1 GiB pinned host -> device copy, CUDA events, median of 10.
+Host rows also carry the measured agreement of the two tiers' next-token logits after the suffix
+prefill and one decode step (logits_max_abs_diff, logits_bit_identical, argmax_agree).
 
 Model: the random-initialised Llama-3-8B-shape model of `polykv.bench.e2e` (timing does not depend
 on trained weights); `--tiny --device cpu` runs the same code on a toy model for a smoke test.
@@ -71,6 +73,18 @@ def _polykv_steps(clock: Clock, pool, doc: str, suffixes: list[list[int]], warmu
             state["toks"] = _next_tokens(batch)[0]
 
         return dict(clock.steps(step, warmup, steps), doc_tier=_tier(pool, doc))
+
+
+@torch.no_grad()
+def _tier_logits(pool, doc: str, suffixes: list[list[int]]) -> torch.Tensor:
+    """Float32 [agents, vocab] next-token logits after the agents' suffix prefill and one decode
+    step, read from the document in whatever tier it is in (no promotion)."""
+    with pool.open_batch(doc, capacity=len(suffixes), promote=False) as batch:
+        aids = [batch.add(s) for s in suffixes]
+        first = batch.step()
+        batch.feed({a: int(torch.argmax(first[a])) for a in aids})
+        out = batch.step()
+        return torch.stack([out[a] for a in aids])
 
 
 @torch.no_grad()
@@ -132,14 +146,19 @@ def bench_offload(agents=DEFAULTS["agents"], ctxs=DEFAULTS["ctxs"], layers: int 
             pool.move(doc, "gpu")
             log(f"offload: ctx {ctx}, {n} agents, gpu tier")
             t_gpu = _polykv_steps(clock, pool, doc, suffixes, warmup, steps)
+            want = _tier_logits(pool, doc, suffixes)
             rows.append(dict(base, tier="gpu", ms=t_gpu["ms"], ms_min=t_gpu["ms_min"], h2d_gbps=None,
                              doc_tier=t_gpu["doc_tier"]))
             pool.move(doc, "host")
             log(f"offload: ctx {ctx}, {n} agents, host tier (streamed)")
             t_host = _polykv_steps(clock, pool, doc, suffixes, warmup, steps)
+            got = _tier_logits(pool, doc, suffixes)
             extra = t_host["ms"] - t_gpu["ms"]
             rows.append(dict(base, tier="host", ms=t_host["ms"], ms_min=t_host["ms_min"], ms_gpu_tier=t_gpu["ms"],
                              doc_tier=t_host["doc_tier"],
+                             logits_max_abs_diff=float((got - want).abs().max()),
+                             logits_bit_identical=bool(torch.equal(got, want)),
+                             argmax_agree=float((got.argmax(-1) == want.argmax(-1)).float().mean()),
                              stream_bytes=stream_bytes,
                              h2d_gbps=stream_bytes / extra / 1e6 if (peak and extra > 0) else None,
                              step_bound_ms=(1.33 * stream_bytes / (peak * 1e6) + t_gpu["ms"]) if peak else None))

@@ -16,5 +16,7 @@ def test_bench_offload_rows_per_tier_cpu():
     host = [x for x in rows if x["tier"] == "host"]
     # the streamed bytes are the document's measured compressed prefix (both K and V, every layer)
     assert all(x["stream_bytes"] > 0 and x["ms"] > 0 and x["ms_gpu_tier"] > 0 for x in host)
+    # the same packed data read from either tier gives the same logits (CPU: the same reference)
+    assert all(x["argmax_agree"] == 1.0 and x["logits_max_abs_diff"] <= 2e-6 for x in host)
     assert all(x["skipped"] for x in rows if x["tier"] == "offloaded")  # transformers offloading: CUDA only
     assert r["config"]["device"] == "cpu"
