@@ -269,12 +269,16 @@ def bench_offload_cmd(
     def ints(s: str) -> tuple[int, ...]:
         return tuple(int(x) for x in s.split(",") if x)
 
+    def save(result: dict) -> None:  # after every agent count too: a long run that dies keeps its rows
+        if out:
+            Path(out).mkdir(parents=True, exist_ok=True)
+            (Path(out) / "gpu_offload.json").write_text(json.dumps(result, indent=1, default=str))
+
     result = bench_offload(agents=ints(agents), ctxs=ints(ctx), layers=layers, suffix_tokens=suffix_tokens,
                            steps=steps, warmup=warmup, k=k, v=v, stream_chunk_rows=stream_chunk_rows,
-                           device=device, tiny=tiny, log=lambda m: print(m, file=sys.stderr, flush=True))
-    if out:
-        Path(out).mkdir(parents=True, exist_ok=True)
-        (Path(out) / "gpu_offload.json").write_text(json.dumps(result, indent=1, default=str))
+                           device=device, tiny=tiny, log=lambda m: print(m, file=sys.stderr, flush=True),
+                           on_rows=lambda rows: save({"rows": rows, "partial": True}))
+    save(result)
     if json_out:
         emit(result)
         return

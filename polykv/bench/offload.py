@@ -118,9 +118,10 @@ def bench_offload(agents=DEFAULTS["agents"], ctxs=DEFAULTS["ctxs"], layers: int 
                   warmup: int = DEFAULTS["warmup"], k: str = DEFAULTS["k"], v: str = DEFAULTS["v"],
                   chunk: int = DEFAULTS["chunk"], stream_chunk_rows: int = DEFAULTS["stream_chunk_rows"],
                   device: str = "cuda", tiny: bool = False, baseline_max_host_bytes: int = 64 << 30,
-                  log=lambda m: None) -> dict:
+                  log=lambda m: None, on_rows=lambda rows: None) -> dict:
     """One row per (ctx, agents, tier); see the module doc. The offloaded baseline is skipped (with
-    the reason in the row) where its N dense copies would exceed `baseline_max_host_bytes`."""
+    the reason in the row) where its N dense copies would exceed `baseline_max_host_bytes` or where
+    it runs out of memory. `on_rows(rows)` is called after every agent count (partial results)."""
     from ..pool import SharedKVPool
 
     dev = torch.device(device)
@@ -170,11 +171,18 @@ def bench_offload(agents=DEFAULTS["agents"], ctxs=DEFAULTS["ctxs"], layers: int 
                                   f"(limit {baseline_max_host_bytes / 2**30:.0f} GiB)")
             else:
                 log(f"offload: ctx {ctx}, {n} agents, transformers offloaded DynamicCache")
-                t = _offloaded_steps(clock, model, doc_ids.to(dev), sfx[:n].to(dev), chunk, warmup, steps)
-                row.update(ms=t["ms"], ms_min=t["ms_min"], kv_bytes=t["kv_bytes"],
-                           speedup_host_vs_offloaded=t["ms"] / t_host["ms"])
+                try:
+                    t = _offloaded_steps(clock, model, doc_ids.to(dev), sfx[:n].to(dev), chunk, warmup, steps)
+                    row.update(ms=t["ms"], ms_min=t["ms_min"], kv_bytes=t["kv_bytes"],
+                               speedup_host_vs_offloaded=t["ms"] / t_host["ms"])
+                except (torch.OutOfMemoryError, RuntimeError) as exc:  # CUDA/pinned-host OOM of the baseline
+                    if "out of memory" not in str(exc).lower():
+                        raise
+                    row["skipped"] = f"transformers' offloaded DynamicCache ran out of memory: {str(exc)[:120]}"
+                    log(f"offload: {row['skipped']}")
             rows.append(row)
             clock.free()
+            on_rows(rows)
         del pool
     return dict(rows=rows, env=env_info(dev),
                 config=dict(agents=list(agents), ctxs=list(ctxs), layers=layers, suffix_tokens=suffix_tokens,
