@@ -117,7 +117,7 @@ def bench_offload(agents=DEFAULTS["agents"], ctxs=DEFAULTS["ctxs"], layers: int 
                   suffix_tokens: int = DEFAULTS["suffix_tokens"], steps: int = DEFAULTS["steps"],
                   warmup: int = DEFAULTS["warmup"], k: str = DEFAULTS["k"], v: str = DEFAULTS["v"],
                   chunk: int = DEFAULTS["chunk"], stream_chunk_rows: int = DEFAULTS["stream_chunk_rows"],
-                  device: str = "cuda", tiny: bool = False, baseline_max_host_bytes: int = 64 << 30,
+                  device: str = "cuda", tiny: bool = False, baseline_max_host_bytes: int = 16 << 30,
                   log=lambda m: None, on_rows=lambda rows: None) -> dict:
     """One row per (ctx, agents, tier); see the module doc. The offloaded baseline is skipped (with
     the reason in the row) where its N dense copies would exceed `baseline_max_host_bytes` or where

@@ -21,8 +21,8 @@ Semantics
   (live agents always occupy slots 0..n-1; no K/V row is copied).
 * On CUDA, a decode step of agents in slots 0..n-1 replays a captured CUDA graph
   (`decode_graph.py`; `graphs=False` or POLYKV_CUDA_GRAPHS=0 keeps it eager). A batch over a
-  host-tier document streams its prefix (`attention.PrefixStreamer`: host copies, events and a side
-  stream, none of which a captured graph replays) and always runs eager steps.
+  host-tier document streams its prefix (`attention.PrefixStreamer`): the captured step holds the
+  chunk copies as memcpy nodes on a forked branch, overlapped with the cascade as when eager.
 * A batch is not thread-safe by itself; use one batch per thread (the pool is thread-safe).
 """
 
@@ -66,7 +66,7 @@ class AgentBatch:
         self.peak_bytes = self.cache.nbytes()
         self._rows = SamplingRows(self.cache.batch_capacity, pool.device)  # per-slot set_sampling
         self._graphs = None  # captured decode steps (CUDA), see decode_graph.py
-        if graphs and not self.cache.streamed:  # host tier: eager steps (see module doc)
+        if graphs:
             from .decode_graph import DecodeGraphs, graphs_supported
 
             if graphs_supported(self.cache):

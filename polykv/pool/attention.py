@@ -207,7 +207,10 @@ class PrefixStreamer:
     CUDA: each chunk is ONE non-blocking copy of its pinned contiguous buffer into one of two device
     buffers (double buffering), issued on a side stream one chunk ahead, so chunk i+1 crosses while
     the cascade over chunk i runs. The compute stream waits for a chunk's copy event before reading
-    it; a buffer is refilled only after the compute stream recorded that it is done with it.
+    it; a buffer is refilled only after the compute stream recorded that it is done with it. Each
+    layer's walk first joins the side stream to the compute stream (everything queued before it,
+    earlier reads of the buffers included, happens first) and uses only events recorded within the
+    walk, so it is capturable in a CUDA graph: the copies become memcpy nodes on a forked branch.
     Counters: `chunks_read` / `bytes_read` (chunks and bytes yielded, copied or not)."""
 
     def __init__(self, device, max_chunk_bytes: int = 0):
@@ -216,7 +219,7 @@ class PrefixStreamer:
         self.buffers: list[torch.Tensor] = []  # CUDA: two uint8 [max_chunk_bytes] buffers
         self.chunks_read = 0
         self.bytes_read = 0
-        self._side = self._ready = self._free = None
+        self._side = None
 
     def tensors(self) -> list[torch.Tensor]:
         """The device buffers (GPU memory this streamer holds; empty on CPU)."""
@@ -242,20 +245,22 @@ class PrefixStreamer:
                             for _ in range(2)]
             for b in self.buffers:
                 b.record_stream(self._side)
-            self._ready = [torch.cuda.Event() for _ in range(2)]
-            self._free = [torch.cuda.Event() for _ in range(2)]
         if self.buffers[0].numel() < need:
             raise ValueError(f"PrefixStreamer: a chunk of {need} bytes exceeds max_chunk_bytes="
                              f"{self.buffers[0].numel()}")
         main = torch.cuda.current_stream(self.device)
         chunks = layer.chunks
+        ready = [torch.cuda.Event() for _ in range(2)]
+        free: list[torch.cuda.Event | None] = [None, None]  # recorded by `main` after reading buffer j
+        self._side.wait_stream(main)  # fork: the earlier reads of both buffers come first
 
         def issue(i):
             j = i % 2
-            self._side.wait_event(self._free[j])  # never overwrite a buffer the cascade still reads
+            if free[j] is not None:
+                self._side.wait_event(free[j])  # never overwrite a buffer the cascade still reads
             with torch.cuda.stream(self._side):
                 self.buffers[j][: chunks[i].nbytes].copy_(chunks[i].data, non_blocking=True)
-                self._ready[j].record(self._side)
+                ready[j].record(self._side)
 
         if chunks:
             issue(0)
@@ -263,12 +268,13 @@ class PrefixStreamer:
             if i + 1 < len(chunks):
                 issue(i + 1)
             j = i % 2
-            main.wait_event(self._ready[j])
+            main.wait_event(ready[j])  # join: every copy is waited for by `main`
             self.chunks_read += 1
             self.bytes_read += c.nbytes
             k, v = c.packed(self.buffers[j])
             yield k, v, c.row0
-            self._free[j].record(main)  # the cascade over chunk i is queued on `main`
+            free[j] = torch.cuda.Event()
+            free[j].record(main)  # the cascade over chunk i is queued on `main`
 
 
 def streamed_cascade_attention(q, chunks, suffix_k, suffix_v, suffix_lens, k_codec, v_codec, *,

@@ -449,7 +449,7 @@ class SharedKVPool:
         """An `AgentBatch` over `doc` (holds a reference until closed). An evicted document is
         re-prefilled from its token ids (warns). capacity / seq_capacity: initial agent slots and
         suffix rows to allocate (grown on demand). graphs: replay captured CUDA graphs for decode
-        steps where supported (CUDA, full-attention layers, not a streamed host-tier document).
+        steps where supported (CUDA, full-attention layers; host-tier documents too).
         promote: bring an unreferenced host-tier document to the GPU tier when it fits (module
         doc); False: the batch streams it from the host (the offload benchmark, tests)."""
         from .agents import AgentBatch
