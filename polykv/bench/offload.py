@@ -78,11 +78,13 @@ def _polykv_steps(clock: Clock, pool, doc: str, suffixes: list[list[int]], warmu
 @torch.no_grad()
 def _tier_logits(pool, doc: str, suffixes: list[list[int]]) -> torch.Tensor:
     """Float32 [agents, vocab] next-token logits after the agents' suffix prefill and one decode
-    step, read from the document in whatever tier it is in (no promotion)."""
+    step, read from the document in whatever tier it is in (no promotion). The decode step feeds
+    each agent's first suffix token, not its argmax: two tiers whose prefill logits differ by
+    rounding may break an argmax tie differently, and would then compare different inputs."""
     with pool.open_batch(doc, capacity=len(suffixes), promote=False) as batch:
         aids = [batch.add(s) for s in suffixes]
-        first = batch.step()
-        batch.feed({a: int(torch.argmax(first[a])) for a in aids})
+        batch.step()
+        batch.feed({a: s[0] for a, s in zip(aids, suffixes)})
         out = batch.step()
         return torch.stack([out[a] for a in aids])
 
