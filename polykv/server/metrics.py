@@ -27,6 +27,9 @@ class Metrics:
         Gauge("polykv_live_agents", "Agents currently decoding", registry=r).set_function(eng.live_agents)
         Gauge("polykv_waiting_requests", "Requests queued for admission", registry=r).set_function(eng.waiting)
         Gauge("polykv_documents", "Shared documents held", registry=r).set_function(lambda: len(state.docs))
+        Gauge("polykv_document_prefills", "Document prefills run by the pool since start (adds, re-prefills of "
+              "evicted documents; documents loaded from a save or a peer cost none)",
+              registry=r).set_function(lambda: state.prefills)
         Gauge("polykv_generated_tokens", "Tokens sampled by the engine since start",
               registry=r).set_function(lambda: eng.tokens_generated)
         self.kv_bytes = Gauge("polykv_kv_bytes", "KV cache bytes, measured (storage bytes): shared = compressed "

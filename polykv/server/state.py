@@ -48,7 +48,23 @@ class ServerState:
         self._mem_at = 0.0
         self._mem_fut = None
         self._tok_hist: list[tuple[float, int]] = []
+        self.prefills = 0  # document prefills run by the pool (adds and re-prefills of evicted documents)
+        self._count_prefills()
         self.metrics = Metrics(self)
+
+    def _count_prefills(self) -> None:
+        """Count the pool's document prefills (`SharedKVPool._prefill`, the one place a document's
+        KV is computed) by wrapping it on this pool instance; pools without it count nothing."""
+        inner = getattr(self.pool, "_prefill", None)
+        if inner is None or getattr(inner, "_polykv_counted", False):
+            return
+
+        def counted(*args, **kwargs):
+            self.prefills += 1
+            return inner(*args, **kwargs)
+
+        counted._polykv_counted = True
+        self.pool._prefill = counted
 
     # --- threads ----------------------------------------------------------------------------
     async def on_engine(self, fn, *args, timeout: float = 600.0):
