@@ -151,37 +151,39 @@ def correctness():
     o, l = merge_attention(oa, la, ob, lb)
     o2, l2 = merge_attention_ref(oa, la, ob, lb)
     check("merge", rel(o, o2) <= 1e-3, rel=rel(o, o2))
-    # quantize-on-write exactness and dequant
+    # quantize-on-write exactness and dequant (turbo also from fp16 rows: the one-dot rotation)
     for name in CODEC_NAMES:
         for D in (64, 128, 256):
             c = get_codec(name, D)
-            x = rnd(2, 8, 257, D, dtype=torch.float32) * 2
-            ref = c.encode(x)
-            dst = c.empty((2, 8, 300), device=DEV)
-            quantize_into(dst, x, c, torch.tensor([5, 40], device=DEV))
-            got = Packed(torch.stack([dst.codes[0, :, 5:262], dst.codes[1, :, 40:297]]),
-                         None if dst.scales is None else
-                         torch.stack([dst.scales[0, :, 5:262], dst.scales[1, :, 40:297]]))
-            if c.rotated:
-                # Rotation summed in another order: a coordinate within ulps of a boundary may take the
-                # neighbouring index; groups whose indices all agree must match to one fp16 ulp, a group
-                # with a flipped index shifts its corrected norm by that centroid change (< 1%).
-                differs = c.indices(got) != c.indices(ref)  # [..., n_groups, G]
-                mis = differs.float().mean().item()
-                srel_all = ((got.scales.float() - ref.scales.float()).abs()
-                            / ref.scales.float().abs().clamp_min(1e-6))
-                flipped = differs.any(-1)
-                srel = srel_all[~flipped].max().item()
-                srel_flip = srel_all[flipped].max().item() if bool(flipped.any()) else 0.0
-                check(f"quantize {name} D{D}", mis <= 1e-3 and srel <= 1.1e-3 and srel_flip <= 1e-2,
-                      idx_mismatch=mis, norm_rel=srel, norm_rel_flipped=srel_flip)
-            else:
-                same = torch.equal(got.codes.view(torch.uint8) if got.codes.dtype != torch.bfloat16
-                                   else got.codes.view(torch.int16),
-                                   ref.codes.view(torch.uint8) if ref.codes.dtype != torch.bfloat16
-                                   else ref.codes.view(torch.int16))
-                same = same and (ref.scales is None or torch.equal(got.scales, ref.scales))
-                check(f"quantize {name} D{D} bit-exact", same)
+            for dt in ((torch.float32, torch.float16) if c.rotated else (torch.float32,)):
+                x = (rnd(2, 8, 257, D, dtype=torch.float32) * 2).to(dt)
+                ref = c.encode(x.float())
+                dst = c.empty((2, 8, 300), device=DEV)
+                quantize_into(dst, x, c, torch.tensor([5, 40], device=DEV))
+                got = Packed(torch.stack([dst.codes[0, :, 5:262], dst.codes[1, :, 40:297]]),
+                             None if dst.scales is None else
+                             torch.stack([dst.scales[0, :, 5:262], dst.scales[1, :, 40:297]]))
+                tag = f"quantize {name} D{D}" + ("" if dt == torch.float32 else " fp16")
+                if c.rotated:
+                    # Rotation summed in another order: a coordinate within ulps of a boundary may take the
+                    # neighbouring index; groups whose indices all agree must match to one fp16 ulp, a group
+                    # with a flipped index shifts its corrected norm by that centroid change (< 1%).
+                    differs = c.indices(got) != c.indices(ref)  # [..., n_groups, G]
+                    mis = differs.float().mean().item()
+                    srel_all = ((got.scales.float() - ref.scales.float()).abs()
+                                / ref.scales.float().abs().clamp_min(1e-6))
+                    flipped = differs.any(-1)
+                    srel = srel_all[~flipped].max().item()
+                    srel_flip = srel_all[flipped].max().item() if bool(flipped.any()) else 0.0
+                    check(tag, mis <= 1e-3 and srel <= 1.1e-3 and srel_flip <= 1e-2,
+                          idx_mismatch=mis, norm_rel=srel, norm_rel_flipped=srel_flip)
+                else:
+                    same = torch.equal(got.codes.view(torch.uint8) if got.codes.dtype != torch.bfloat16
+                                       else got.codes.view(torch.int16),
+                                       ref.codes.view(torch.uint8) if ref.codes.dtype != torch.bfloat16
+                                       else ref.codes.view(torch.int16))
+                    same = same and (ref.scales is None or torch.equal(got.scales, ref.scales))
+                    check(f"{tag} bit-exact", same)
             dq = dequantize(ref, c, torch.float32)
             check(f"dequant {name} D{D}", rel(dq, dequantize_ref(ref, c, torch.float32)) <= 1e-4,
                   rel=rel(dq, dequantize_ref(ref, c, torch.float32)))
@@ -267,26 +269,33 @@ def cascade_bench():
 @section("quantize")
 def quantize_bench():
     g = torch.Generator(device=DEV).manual_seed(1)
-    for name in ("f16", "q8_0", "q4_0", "turbo4", "turbo3"):
+    rows = [(name, torch.float16) for name in ("f16", "q8_0", "q4_0", "turbo4", "turbo3")]
+    rows.append(("turbo3", torch.bfloat16))  # bf16 rows: the two-dot (hi + lo) rotation
+    for name, dt in rows:
         c = get_codec(name, 128)
         for B, T in ((1, 32768), (64, 1)):
-            x = torch.randn(B, 8, T, 128, device=DEV, generator=g).to(torch.float16)
+            x = torch.randn(B, 8, T, 128, device=DEV, generator=g).to(dt)
             dst = c.empty((B, 8, T + 8), device=DEV)
             pos = torch.full((B,), 3, device=DEV)
             ms, ms_e = _time(lambda: quantize_into(dst, x, c, pos), 25, 100)
             ms_t = _median_ms(lambda: c.encode(x, check=False))
-            if c.rotated and T > 1:
-                for bt, w in ((32, 4), (64, 8)):
-                    m2, _ = _time(lambda: quantize_into(dst, x, c, pos, block_t=bt, num_warps=w),
-                                  25, 100)
-                    log(f"  quantize {name} block_t {bt} warps {w}: {m2 * 1e3:.1f} us")
-                    RES["quantize"].append(dict(codec=name, B=B, T=T, block_t=bt, ms=m2))
             out_bytes = (c.code_bytes + 2 * c.n_scales) * B * 8 * T
             moved = x.numel() * 2 + out_bytes
-            r = dict(codec=name, B=B, T=T, ms=ms, ms_eager=ms_e, ms_torch_encode=ms_t, gbps=moved / ms / 1e6,
-                     rows_per_s=B * 8 * T / ms * 1e3)
+            if T > 1 and name != "f16":
+                cfgs = (((64, 4, 4), (128, 4, 4), (128, 8, 2), (128, 8, 8), (256, 8, 4), (256, 16, 2))
+                        if c.rotated
+                        else ((16, 4, 0), (32, 4, 0), (64, 4, 0), (32, 4, 8)))
+                for bt, w, pps in cfgs:
+                    m2, _ = _time(lambda: quantize_into(dst, x, c, pos, block_t=bt, num_warps=w,
+                                                        programs_per_sm=pps), 25, 100)
+                    log(f"  quantize {name} {dt} block_t {bt} warps {w} programs/SM {pps}: "
+                        f"{m2 * 1e3:.1f} us ({moved / m2 / 1e6:.0f} GB/s)")
+                    RES["quantize"].append(dict(codec=name, dtype=str(dt), B=B, T=T, block_t=bt, num_warps=w,
+                                                programs_per_sm=pps, ms=m2, gbps=moved / m2 / 1e6))
+            r = dict(codec=name, dtype=str(dt), B=B, T=T, ms=ms, ms_eager=ms_e, ms_torch_encode=ms_t,
+                     gbps=moved / ms / 1e6, rows_per_s=B * 8 * T / ms * 1e3)
             RES["quantize"].append(r)
-            log(f"quantize {name} B{B} T{T}: {ms * 1e3:.1f} us ({r['gbps']:.0f} GB/s), "
+            log(f"quantize {name} {dt} B{B} T{T}: {ms * 1e3:.1f} us ({r['gbps']:.0f} GB/s), "
                 f"torch encode {ms_t * 1e3:.1f} us")
 
 

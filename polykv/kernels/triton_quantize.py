@@ -41,103 +41,134 @@ def _rne(x):
 
 
 @triton.jit
+def _turbo_index(u, BOUNDS, CENT, BITS: tl.constexpr):
+    """Lloyd-Max index of u [BT, G] (torch.bucketize(u, bounds): #(bounds < u)) and the squared
+    centroid of that index. Up to 4 bits the codebook is symmetric (centroids -c / +c, boundaries
+    -b / 0 / +b; checked on the host, `_symmetric`), so |u| is compared with the positive
+    boundaries only, against scalars held in registers, and c^2 accumulated by its steps: no
+    gather. A |u| exactly on a boundary takes the upper index on both sides (torch: the lower on
+    the negative side; a neighbouring index, as a rounding difference would give). Wider codes:
+    binary search with gathers."""
+    if BITS <= 4:
+        HALF: tl.constexpr = 1 << (BITS - 1)
+        a = tl.abs(u)
+        c0 = tl.load(CENT + HALF)
+        c2 = tl.zeros(u.shape, tl.float32) + c0 * c0
+        m = tl.zeros(u.shape, tl.float32)  # counted in float: select + add, no predicate-to-int
+        for k in tl.static_range(HALF - 1):
+            above = tl.load(BOUNDS + HALF + k) < a
+            m += tl.where(above, 1.0, 0.0)
+            lo = tl.load(CENT + HALF + k)
+            hi = tl.load(CENT + HALF + k + 1)
+            c2 += tl.where(above, hi * hi - lo * lo, 0.0)
+        idx = tl.where(u > 0, HALF + m, HALF - 1 - m).to(tl.int32)
+    else:
+        idx = tl.zeros(u.shape, tl.int32)
+        for k in tl.static_range(BITS):
+            bnd = tl.load(BOUNDS + idx + ((1 << (BITS - 1 - k)) - 1))
+            idx = tl.where(bnd < u, idx + (1 << (BITS - 1 - k)), idx)
+        c = tl.load(CENT + idx)
+        c2 = c * c
+    return idx, c2
+
+
+@triton.jit
 def _quantize_kernel(X, POS, SCL, CODES, SCALES, ROT, CENT, BOUNDS,
                      sxb, sxh, sxt, scb, sch, scs, ssb, ssh, sss,
-                     HKV, T,
+                     HKV, T, N_TILES,
                      D: tl.constexpr, BLOCK_T: tl.constexpr, KIND: tl.constexpr,
-                     BITS: tl.constexpr, G: tl.constexpr, HAS_S: tl.constexpr):
+                     BITS: tl.constexpr, G: tl.constexpr, HAS_S: tl.constexpr, SPLIT: tl.constexpr):
+    # grid (B * HKV, programs along T): each program walks row tiles pid_t, pid_t + nprog, ...
     pid_bh = tl.program_id(0)
-    pid_t = tl.program_id(1)
     b = pid_bh // HKV
     h = pid_bh % HKV
-    t = pid_t * BLOCK_T + tl.arange(0, BLOCK_T)
-    tmask = t < T
-    pos = tl.load(POS + b.to(tl.int64) * T + t, mask=tmask, other=0).to(tl.int64)
-    xrow = b.to(tl.int64) * sxb + h.to(tl.int64) * sxh + t.to(tl.int64) * sxt
-    crow = b.to(tl.int64) * scb + h.to(tl.int64) * sch + pos * scs
-    srow = b.to(tl.int64) * ssb + h.to(tl.int64) * ssh + pos * sss
-    m2 = tmask[:, None]
-
-    if KIND == 3:
-        NG: tl.constexpr = D // G
-        GB: tl.constexpr = G * BITS // 8
-        i = tl.arange(0, G)
-        # ROT is the rotation times sqrt(G): entries exactly +-1 in fp16. The fp32 rows are split
-        # into fp16 hi + lo parts, so two tensor-core dots with fp32 accumulation give x @ R*sqrt(G)
-        # to ~2^-22 relative — no [G, G] fp32 matrix in registers (which spilled: 270 us per row).
-        rot = tl.load(ROT + i[:, None] * G + i[None, :])
-        for g in tl.static_range(NG):
-            xg = tl.load(X + xrow[:, None] + (g * G + i)[None, :], mask=m2, other=0.0)
-            xg = xg.to(tl.float32)
-            if HAS_S:
-                xg = xg * tl.load(SCL + h * D + g * G + i)[None, :]
-            x_hi = xg.to(tl.float16)
-            x_lo = (xg - x_hi.to(tl.float32)).to(tl.float16)
-            y = tl.dot(x_hi, rot, out_dtype=tl.float32) + tl.dot(x_lo, rot, out_dtype=tl.float32)
-            norm = tl.sqrt(tl.sum(xg * xg, 1))
-            safe = tl.where(norm > 0, norm, 1.0)
-            # u = (x @ R) * sqrt(G) / ||x|| = (x @ R*sqrt(G)) / ||x||
-            scl = tl.math.div_rn(tl.full([BLOCK_T], 1.0, tl.float32), safe)
-            u = y * scl[:, None]
-            idx = tl.zeros([BLOCK_T, G], tl.int32)
-            # binary search: idx = #(bounds < u)  (torch.bucketize, right=False)
-            for _k in tl.static_range(BITS):
-                bnd = tl.load(BOUNDS + idx + ((1 << (BITS - 1 - _k)) - 1))
-                idx = tl.where(bnd < u, idx + (1 << (BITS - 1 - _k)), idx)
-            c = tl.load(CENT + idx)
-            cn = tl.sqrt(tl.sum(c * c, 1))
-            corr = tl.where(norm > 0, tl.math.div_rn(norm, tl.where(cn > 0, cn, 1.0)), 0.0)
-            tl.store(SCALES + srow + g, corr.to(tl.float16), mask=tmask)
-            if BITS == 8:
-                tl.store(CODES + crow[:, None] + (g * GB + i)[None, :], idx.to(tl.uint8), mask=m2)
-            elif BITS == 3:
-                lo = _pack(idx & 3, BLOCK_T, G, 2)
-                hi = _pack(idx >> 2, BLOCK_T, G, 1)
-                jl = tl.arange(0, G // 4)
-                jh = tl.arange(0, G // 8)
-                tl.store(CODES + crow[:, None] + (g * GB + jl)[None, :], lo.to(tl.uint8), mask=m2)
-                tl.store(CODES + crow[:, None] + (g * GB + G // 4 + jh)[None, :], hi.to(tl.uint8),
-                         mask=m2)
-            else:
-                pk = _pack(idx, BLOCK_T, G, BITS)
-                j = tl.arange(0, GB)
-                tl.store(CODES + crow[:, None] + (g * GB + j)[None, :], pk.to(tl.uint8), mask=m2)
-    else:
-        d = tl.arange(0, D)
-        x = tl.load(X + xrow[:, None] + d[None, :], mask=m2, other=0.0).to(tl.float32)
-        if HAS_S:
-            x = x * tl.load(SCL + h * D + d)[None, :]
-        if KIND == 0:
-            tl.store(CODES + crow[:, None] + d[None, :], x.to(CODES.dtype.element_ty), mask=m2)
+    for tile in range(tl.program_id(1), N_TILES, tl.num_programs(1)):
+        t = tile * BLOCK_T + tl.arange(0, BLOCK_T)
+        tmask = t < T
+        pos = tl.load(POS + b.to(tl.int64) * T + t, mask=tmask, other=0).to(tl.int64)
+        xrow = b.to(tl.int64) * sxb + h.to(tl.int64) * sxh + t.to(tl.int64) * sxt
+        crow = b.to(tl.int64) * scb + h.to(tl.int64) * sch + pos * scs
+        srow = b.to(tl.int64) * ssb + h.to(tl.int64) * ssh + pos * sss
+        m2 = tmask[:, None]
+        if KIND == 3:
+            NG: tl.constexpr = D // G
+            GB: tl.constexpr = G * BITS // 8
+            i = tl.arange(0, G)
+            # ROT is the rotation times sqrt(G): entries exactly +-1 in fp16. The fp32 rows are split
+            # into fp16 hi + lo parts, so two tensor-core dots with fp32 accumulation give x @ R*sqrt(G)
+            # to ~2^-22 relative (fp16 rows without InnerQ: lo is 0, one dot, SPLIT=False). Read per
+            # tile (L2-resident, 32 KB at G = 128): held across the walk it pinned 64 registers per
+            # thread and the tile spilled.
+            rot = tl.load(ROT + i[:, None] * G + i[None, :])
+            for g in tl.static_range(NG):
+                xg = tl.load(X + xrow[:, None] + (g * G + i)[None, :], mask=m2, other=0.0)
+                xg = xg.to(tl.float32)
+                if HAS_S:
+                    xg = xg * tl.load(SCL + h * D + g * G + i)[None, :]
+                x_hi = xg.to(tl.float16)
+                y = tl.dot(x_hi, rot, out_dtype=tl.float32)
+                if SPLIT:
+                    x_lo = (xg - x_hi.to(tl.float32)).to(tl.float16)
+                    y += tl.dot(x_lo, rot, out_dtype=tl.float32)
+                norm = tl.sqrt(tl.sum(xg * xg, 1))
+                safe = tl.where(norm > 0, norm, 1.0)
+                # u = (x @ R) * sqrt(G) / ||x|| = (x @ R*sqrt(G)) / ||x||
+                scl = tl.math.div_rn(tl.full([BLOCK_T], 1.0, tl.float32), safe)
+                u = y * scl[:, None]
+                idx, c2 = _turbo_index(u, BOUNDS, CENT, BITS)
+                cn = tl.sqrt(tl.sum(c2, 1))
+                corr = tl.where(norm > 0, tl.math.div_rn(norm, tl.where(cn > 0, cn, 1.0)), 0.0)
+                tl.store(SCALES + srow + g, corr.to(tl.float16), mask=tmask)
+                if BITS == 8:
+                    tl.store(CODES + crow[:, None] + (g * GB + i)[None, :], idx.to(tl.uint8), mask=m2)
+                elif BITS == 3:
+                    lo = _pack(idx & 3, BLOCK_T, G, 2)
+                    hi = _pack(idx >> 2, BLOCK_T, G, 1)
+                    jl = tl.arange(0, G // 4)
+                    jh = tl.arange(0, G // 8)
+                    tl.store(CODES + crow[:, None] + (g * GB + jl)[None, :], lo.to(tl.uint8), mask=m2)
+                    tl.store(CODES + crow[:, None] + (g * GB + G // 4 + jh)[None, :], hi.to(tl.uint8),
+                             mask=m2)
+                else:
+                    pk = _pack(idx, BLOCK_T, G, BITS)
+                    j = tl.arange(0, GB)
+                    tl.store(CODES + crow[:, None] + (g * GB + j)[None, :], pk.to(tl.uint8), mask=m2)
         else:
-            NB: tl.constexpr = D // 32
-            x3 = tl.reshape(x, [BLOCK_T, NB, 32])
-            jb = tl.arange(0, NB)
-            if KIND == 1:
-                amax = tl.max(tl.abs(x3), 2)
-                d16 = tl.math.div_rn(amax, tl.full([BLOCK_T, NB], 127.0, tl.float32))
-                d16 = d16.to(tl.float16)
-                df = d16.to(tl.float32)
-                inv = tl.where(df > 0, tl.math.div_rn(tl.full([BLOCK_T, NB], 1.0, tl.float32),
-                                                      tl.where(df > 0, df, 1.0)), 0.0)
-                q = _rne(x3 * inv[:, :, None])
-                q = tl.minimum(tl.maximum(q, -127.0), 127.0).to(tl.int32).to(tl.int8)
-                tl.store(CODES + crow[:, None] + d[None, :], tl.reshape(q, [BLOCK_T, D]), mask=m2)
+            d = tl.arange(0, D)
+            x = tl.load(X + xrow[:, None] + d[None, :], mask=m2, other=0.0).to(tl.float32)
+            if HAS_S:
+                x = x * tl.load(SCL + h * D + d)[None, :]
+            if KIND == 0:
+                tl.store(CODES + crow[:, None] + d[None, :], x.to(CODES.dtype.element_ty), mask=m2)
             else:
-                ax = tl.abs(x3)
-                pos_m = tl.argmax(ax, 2, tie_break_left=True)
-                col = tl.arange(0, 32)
-                m = tl.sum(tl.where(col[None, None, :] == pos_m[:, :, None], x3, 0.0), 2)
-                d16 = (m * -0.125).to(tl.float16)
-                df = d16.to(tl.float32)
-                inv = tl.where(df != 0, tl.math.div_rn(tl.full([BLOCK_T, NB], 1.0, tl.float32),
-                                                       tl.where(df != 0, df, 1.0)), 0.0)
-                q = tl.floor(x3 * inv[:, :, None] + 8.5)
-                q = tl.minimum(tl.maximum(q, 0.0), 15.0).to(tl.int32)
-                pk = _pack(tl.reshape(q, [BLOCK_T, D]), BLOCK_T, D, 4)
-                j = tl.arange(0, D // 2)
-                tl.store(CODES + crow[:, None] + j[None, :], pk.to(tl.uint8), mask=m2)
-            tl.store(SCALES + srow[:, None] + jb[None, :], d16, mask=m2)
+                NB: tl.constexpr = D // 32
+                x3 = tl.reshape(x, [BLOCK_T, NB, 32])
+                jb = tl.arange(0, NB)
+                if KIND == 1:
+                    amax = tl.max(tl.abs(x3), 2)
+                    d16 = tl.math.div_rn(amax, tl.full([BLOCK_T, NB], 127.0, tl.float32))
+                    d16 = d16.to(tl.float16)
+                    df = d16.to(tl.float32)
+                    inv = tl.where(df > 0, tl.math.div_rn(tl.full([BLOCK_T, NB], 1.0, tl.float32),
+                                                          tl.where(df > 0, df, 1.0)), 0.0)
+                    q = _rne(x3 * inv[:, :, None])
+                    q = tl.minimum(tl.maximum(q, -127.0), 127.0).to(tl.int32).to(tl.int8)
+                    tl.store(CODES + crow[:, None] + d[None, :], tl.reshape(q, [BLOCK_T, D]), mask=m2)
+                else:
+                    ax = tl.abs(x3)
+                    pos_m = tl.argmax(ax, 2, tie_break_left=True)
+                    col = tl.arange(0, 32)
+                    m = tl.sum(tl.where(col[None, None, :] == pos_m[:, :, None], x3, 0.0), 2)
+                    d16 = (m * -0.125).to(tl.float16)
+                    df = d16.to(tl.float32)
+                    inv = tl.where(df != 0, tl.math.div_rn(tl.full([BLOCK_T, NB], 1.0, tl.float32),
+                                                           tl.where(df != 0, df, 1.0)), 0.0)
+                    q = tl.floor(x3 * inv[:, :, None] + 8.5)
+                    q = tl.minimum(tl.maximum(q, 0.0), 15.0).to(tl.int32)
+                    pk = _pack(tl.reshape(q, [BLOCK_T, D]), BLOCK_T, D, 4)
+                    j = tl.arange(0, D // 2)
+                    tl.store(CODES + crow[:, None] + j[None, :], pk.to(tl.uint8), mask=m2)
+                tl.store(SCALES + srow[:, None] + jb[None, :], d16, mask=m2)
 
 
 _ROT16: dict = {}
@@ -154,9 +185,12 @@ def _signed_rotation(G: int, device) -> torch.Tensor:
 
 
 def quantize_into_triton(dst: Packed, x: torch.Tensor, codec, positions: torch.Tensor,
-                         innerq: torch.Tensor | None = None, block_t: int = 16,
-                         num_warps: int = 4) -> None:
-    """x [B, Hkv, T, D]; positions int [B, T]; dst Packed leading [B, Hkv, S_cap]."""
+                         innerq: torch.Tensor | None = None, block_t: int | None = None,
+                         num_warps: int | None = None, programs_per_sm: int | None = None) -> None:
+    """x [B, Hkv, T, D]; positions int [B, T]; dst Packed leading [B, Hkv, S_cap]. Row tiles of
+    `block_t` rows (default: turbo 128 on 8 warps, fewer for short T; others 32).
+    programs_per_sm: at most that many programs per SM, each walking several tiles
+    (`_quantize_kernel`); 0: one program per tile (default: 4 for turbo, 0 otherwise)."""
     B, Hkv, T, D = x.shape
     meta = codec_meta(codec)
     dev = x.device
@@ -171,14 +205,48 @@ def quantize_into_triton(dst: Packed, x: torch.Tensor, codec, positions: torch.T
     if meta["KIND"] == 3:
         rot = _signed_rotation(meta["G"], dev)
         cent, bounds = codec.tables(dev)
+        if meta["BITS"] <= 4:
+            _check_symmetric(codec)
     else:
         rot = cent = bounds = dummy
     scl = innerq.to(device=dev, dtype=torch.float32).contiguous() if innerq is not None else dummy
-    grid = (B * Hkv, triton.cdiv(T, block_t))
+    turbo = meta["KIND"] == 3
+    if block_t is None:  # H200 sweep (docs/kernels_notes.md, quantize): 128-row turbo tiles on 8 warps
+        block_t = (min(128, max(16, triton.next_power_of_2(T))) if turbo else (32 if T >= 32 else 16))
+    n_tiles = triton.cdiv(T, block_t)
+    if programs_per_sm is None:
+        programs_per_sm = 4 if turbo else 0
+    per_head = (max(1, triton.cdiv(programs_per_sm * _sm_count(dev), B * Hkv)) if programs_per_sm > 0
+                else n_tiles)
+    grid = (B * Hkv, min(n_tiles, per_head))
     _quantize_kernel[grid](
         x, pos, scl, c, s, rot, cent, bounds,
         x.stride(0), x.stride(1), x.stride(2), c.stride(0), c.stride(1), c.stride(2),
         s.stride(0), s.stride(1), s.stride(2),
-        Hkv, T,
+        Hkv, T, n_tiles,
         D=D, BLOCK_T=block_t, KIND=meta["KIND"], BITS=meta["BITS"], G=meta["G"],
-        HAS_S=innerq is not None, num_warps=num_warps, enable_fp_fusion=False)
+        HAS_S=innerq is not None, SPLIT=x.dtype != torch.float16 or innerq is not None,
+        num_warps=num_warps or (8 if turbo and block_t >= 128 else 4), enable_fp_fusion=False)
+
+
+_SYMMETRIC: set = set()
+
+
+def _check_symmetric(codec) -> None:
+    """`_turbo_index` relies on a symmetric codebook (centroids c_k = -c_{L-1-k}, boundaries b_k =
+    -b_{L-2-k}), as Lloyd-Max on the symmetric coordinate distribution gives; checked once per codec."""
+    key = (codec.head_dim, codec.bits)
+    if key in _SYMMETRIC:
+        return
+    cent, bounds = (t.detach().float().cpu() for t in codec.tables("cpu"))
+    if not (torch.equal(cent, -cent.flip(0)) and torch.equal(bounds, -bounds.flip(0))):
+        raise ValueError(f"turbo{codec.bits} codebook (head_dim {codec.head_dim}) is not symmetric; "
+                         "the quantize kernel's index search needs it")
+    _SYMMETRIC.add(key)
+
+
+def _sm_count(device) -> int:
+    """Multiprocessors of `device` (CUDA), a nominal 4 elsewhere (the interpreter)."""
+    if device.type != "cuda":
+        return 4
+    return torch.cuda.get_device_properties(device).multi_processor_count

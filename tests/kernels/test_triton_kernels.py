@@ -187,6 +187,25 @@ def test_quantize_into_matches_codec(name, D):
     assert torch.all(dst.codes[0, :, :3] == 0) and torch.all(dst.codes[1, :, :7] == 0)
 
 
+@pytest.mark.parametrize("name", ["turbo3", "turbo4", "turbo2", "q8_0"])
+def test_quantize_into_fp16_rows_tiles_walked(name):
+    # fp16 rows (turbo: the one-dot rotation) and more row tiles than programs, so programs walk
+    # several tiles (turbo: 6 tiles of 128 rows per head, 4 programs per head in the interpreter)
+    torch.manual_seed(1)
+    c = get_codec(name, 128)
+    x = (torch.randn(1, 4, 700, 128) * 2).to(torch.float16)
+    dst = c.empty((1, 4, 710))
+    quantize_into(dst, x, c, torch.tensor([4]))
+    got, ref = _rows(dst, [4], 700), c.encode(x.float())
+    if c.rotated:
+        gi, ri = c.indices(got).int(), c.indices(ref).int()
+        assert (gi - ri).abs().max() <= 1 and (gi != ri).float().mean() <= 1e-3
+        assert torch.allclose(got.scales.float(), ref.scales.float(), rtol=1e-3, atol=0)
+    else:
+        assert torch.equal(got.codes, ref.codes) and torch.equal(got.scales, ref.scales)
+    assert torch.all(dst.codes[:, :, :4] == 0) and torch.all(dst.codes[:, :, 704:] == 0)
+
+
 def test_quantize_into_innerq_positions_2d():
     c = get_codec("turbo3", 128)
     s = torch.rand(2, 128) + 0.5
