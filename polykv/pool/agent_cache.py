@@ -138,6 +138,16 @@ class AgentCache(Cache):
         self.lens[dst] = self.lens[src]
         self.lens[src] = 0
 
+    def truncate(self, slot: int, rows: int) -> None:
+        """Cut slot's suffix back to its first `rows` rows (speculative rollback). The rows beyond
+        stay in their pages as garbage that no attention reads (every read stops at `lens`) and the
+        next write to those positions overwrites; the pages stay with the slot (it grows into them
+        again)."""
+        rows = int(rows)
+        if not 0 <= rows <= int(self.lens[slot]):
+            raise ValueError(f"truncate: slot {slot} holds {int(self.lens[slot])} rows, cannot cut to {rows}")
+        self.lens[slot] = rows
+
     def clear_slot(self, slot: int) -> None:
         """Empty a slot and free its pages."""
         self.pages.free(slot)

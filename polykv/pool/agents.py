@@ -6,6 +6,8 @@
     batch.set_sampling(aid, temperature=0.8, top_p=0.95, seed=7)  # the agent's own draws (optional)
     tokens = batch.step_tokens()          # {aid: next token id}, chosen on the device (greedy default)
     batch.feed({aid: token_id, ...})      # queue one more token per agent
+    batch.feed_drafts({aid: [d1, d2, ...]})  # speculative: guesses to verify after the fed token
+    emitted = batch.step_verify()         # {aid: [accepted drafts..., next token]}, rejects rolled back
     batch.remove(aid); len(batch); batch.close()
 
 Semantics
@@ -19,6 +21,13 @@ Semantics
   (`polykv.cache.pages`): an agent holds the pages its length needs, growth takes a free page (no
   copy), a removed agent's pages are reused, and the last slot's page-table row moves into the hole
   (live agents always occupy slots 0..n-1; no K/V row is copied).
+* Speculative verification (`polykv.spec`): drafts queued after an agent's pending token run in one
+  more forward (left-padded, n_q = pending + drafts, logits of every draft column kept); each column's
+  token is chosen exactly as a plain step would choose it (argmax, or the agent's own counter-based
+  draw at that token index), the drafts that match are accepted, plus the token after them. The
+  rows of rejected drafts are rolled back: the slot's length is cut back (`AgentCache.truncate`), so
+  the next forward overwrites them and attention never reads them — the cache is then exactly what
+  it would be had they never been fed.
 * On CUDA, a decode step of agents in slots 0..n-1 replays a captured CUDA graph
   (`decode_graph.py`; `graphs=False` or POLYKV_CUDA_GRAPHS=0 keeps it eager). A batch over a
   host-tier document streams its prefix (`attention.PrefixStreamer`): the captured step holds the
@@ -42,6 +51,7 @@ class _Agent:
     slot: int
     pending: list[int] = field(default_factory=list)
     tokens: list[int] = field(default_factory=list)  # suffix tokens processed so far
+    drafts: int = 0  # the last `drafts` pending tokens are speculative (verified, maybe rolled back)
     logits: torch.Tensor | None = None
     sampling: tuple[bool, bool] | None = None  # set_sampling: (draws at random, top-k/top-p filtered)
 
@@ -113,6 +123,17 @@ class AgentBatch:
         for aid, t in tokens.items():
             self._get(aid).pending.append(int(t))
 
+    def feed_drafts(self, drafts: dict[int, list[int]]) -> None:
+        """Queue draft tokens ({aid: [d1, ...]}) after each agent's pending token(s), to be verified
+        by the next `step_verify` (an agent needs a pending token first: its last chosen one)."""
+        for aid, ds in drafts.items():
+            a = self._get(aid)
+            if ds:
+                if not a.pending:
+                    raise ValueError(f"agent {aid}: drafts need a pending token to follow")
+                a.pending.extend(int(t) for t in ds)
+                a.drafts += len(ds)
+
     def remove(self, aid: int) -> None:
         """Drop an agent and free its suffix slot."""
         a = self._agents.pop(aid)
@@ -161,9 +182,16 @@ class AgentBatch:
         """Run all pending tokens and choose each computed agent's next token on the device; one
         device-to-host copy of the chosen ids per call. Agents given `set_sampling` choose with their
         own parameters and seeds (`SamplingRows.choose`: one vectorised draw per forward); the others
-        greedily. Returns {aid: token id} for the agents that had pending tokens."""
+        greedily. Returns {aid: token id} for the agents that had pending tokens. Drafts
+        (`feed_drafts`) need `step_verify`."""
+        if any(a.drafts for a in self._agents.values()):
+            raise RuntimeError("agents have drafts pending: use step_verify()")
+        return self._choose(self._run_pending())
+
+    def _choose(self, groups) -> dict[int, int]:
+        """The token choice of `step_tokens` over `_run_pending`'s groups."""
         agents, chosen = [], []
-        for group, logits, greedy in self._run_pending():
+        for group, logits, greedy in groups:
             ids = greedy if greedy is not None else torch.argmax(logits, dim=-1)
             own = [a.sampling for a in group]
             mine = [s for s in own if s is not None]
@@ -184,11 +212,74 @@ class AgentBatch:
                 out[a.aid] = t
         return out
 
-    def _run_pending(self) -> list[tuple[list[_Agent], torch.Tensor, torch.Tensor | None]]:
-        """Forward every agent with pending tokens: decoders (one token) together, prompt prefills
-        together. Returns [(agents, logits [G, vocab] on the device, greedy ids [G] or None)]."""
+    @torch.no_grad()
+    def step_verify(self) -> dict[int, list[int]]:
+        """Run all pending tokens, drafts included; return {aid: emitted token ids} for the agents
+        that had pending tokens: [next token] for an agent without drafts (as `step_tokens`), the
+        accepted drafts + the token after them for one with drafts (module doc); the rows of its
+        rejected drafts are rolled back and its sampling counter advances by the emitted count. One
+        device-to-host copy of the chosen ids per forward."""
+        from ..generation import choose_tokens
+
         self._check_open()
-        todo = [a for a in self._agents.values() if a.pending]
+        # one forward for the drafting agents and the plain decoders (one pending token) beside
+        # them: a second forward would cost the whole weight read and prefix pass again
+        drafting = any(a.drafts for a in self._agents.values())
+        joins = [a for a in self._agents.values() if a.pending and (a.drafts or (drafting and len(a.pending) == 1))]
+        verifiers = sorted(joins, key=lambda a: a.slot)
+        ids_v = {a.aid for a in verifiers}
+        plain = [a for a in self._agents.values() if a.pending and a.aid not in ids_v]
+        out = {aid: [t] for aid, t in self._choose(self._run_pending(plain)).items()} if plain else {}
+        if not verifiers:
+            return out
+        keep = max(a.drafts for a in verifiers) + 1
+        logits = self._forward(verifiers, keep=keep)[0]  # [G, keep, vocab]
+        dev = logits.device
+        # flat rows: agent g's columns keep - drafts_g - 1 .. keep - 1 (its pending token, its drafts)
+        cols = [(g, keep - a.drafts - 1 + j, j) for g, a in enumerate(verifiers) for j in range(a.drafts + 1)]
+        gi = torch.tensor([c[0] for c in cols], dtype=torch.long, device=dev)
+        ci = torch.tensor([c[1] for c in cols], dtype=torch.long, device=dev)
+        flat = logits[gi, ci]
+        ids = torch.argmax(flat, dim=-1)
+        drawn = [a.sampling is not None and a.sampling[0] for a in verifiers]
+        if any(drawn):
+            slots = torch.tensor([verifiers[c[0]].slot for c in cols], dtype=torch.long, device=dev)
+            f, i = self._rows.f[slots], self._rows.i[slots]
+            offset = torch.tensor([c[2] for c in cols], dtype=torch.long, device=dev)
+            filtered = any(a.sampling[1] for a, d in zip(verifiers, drawn) if d)
+            sampled = choose_tokens(flat, f[:, 0], f[:, 1], i[:, 0], i[:, 1], i[:, 2], i[:, 3] + offset,
+                                    filtered=filtered, greedy_ids=ids)
+            mask = torch.tensor([drawn[c[0]] for c in cols], device=dev)
+            ids = torch.where(mask, sampled, ids)
+        chosen = _to_host(ids)
+        pos = 0
+        advance = []
+        for a in verifiers:
+            n = a.drafts + 1
+            mine, drafts = chosen[pos: pos + n], a.pending[len(a.pending) - a.drafts:] if a.drafts else []
+            pos += n
+            m = 0
+            while m < len(drafts) and drafts[m] == mine[m]:
+                m += 1
+            out[a.aid] = drafts[:m] + [mine[m]]
+            rejected = a.drafts - m
+            a.tokens.extend(a.pending[: len(a.pending) - rejected])
+            if rejected:
+                self.cache.truncate(a.slot, int(self.cache.lens[a.slot]) - rejected)
+            a.pending, a.drafts, a.logits = [], 0, None
+            advance.append(m + 1)
+        if any(drawn):
+            slots = torch.tensor([a.slot for a in verifiers], dtype=torch.long, device=dev)
+            self._rows.i[slots, 3] += torch.tensor(advance, dtype=torch.long, device=dev)
+        self.peak_bytes = max(self.peak_bytes, self.cache.nbytes())
+        return out
+
+    def _run_pending(self, agents=None) -> list[tuple[list[_Agent], torch.Tensor, torch.Tensor | None]]:
+        """Forward every agent (of `agents`, default all) with pending tokens: decoders (one token)
+        together, prompt prefills together. Returns [(agents, logits [G, vocab] on the device, greedy
+        ids [G] or None)]."""
+        self._check_open()
+        todo = [a for a in (self._agents.values() if agents is None else agents) if a.pending]
         done = []
         for group in ([a for a in todo if len(a.pending) == 1], [a for a in todo if len(a.pending) > 1]):
             if group:
@@ -201,9 +292,12 @@ class AgentBatch:
         self.peak_bytes = max(self.peak_bytes, self.cache.nbytes())
         return done
 
-    def _forward(self, group: list[_Agent]) -> tuple[torch.Tensor, torch.Tensor | None]:
+    def _forward(self, group: list[_Agent], keep: int = 0) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """One forward of `group` (left-padded). keep = 0: logits [G, vocab] of each agent's last
+        column (+ greedy ids from a captured step, else None); keep > 0: logits [G, keep, vocab] of
+        the last `keep` columns (verification)."""
         n_q = max(len(a.pending) for a in group)
-        if n_q == 1 and self._graphs is not None and all(a.slot == g for g, a in enumerate(group)):
+        if not keep and n_q == 1 and self._graphs is not None and all(a.slot == g for g, a in enumerate(group)):
             return self._graphs.run([a.pending[0] for a in group])
         model = self.pool.model
         counts = [len(a.pending) for a in group]
@@ -216,11 +310,13 @@ class AgentBatch:
             dev = self.pool.device
             out = model(input_ids=ids.to(dev), position_ids=cache.positions().to(dev),
                         attention_mask=_mask(len(group), n_q, dev), past_key_values=cache,
-                        use_cache=True, logits_to_keep=1)
+                        use_cache=True, logits_to_keep=max(1, keep))
         except BaseException:
             cache.abort()
             raise
         cache.commit()
+        if keep:
+            return out.logits[:, -keep:], None
         return out.logits[:, -1], None
 
     # --- lifecycle ---------------------------------------------------------------------------

@@ -25,6 +25,9 @@ pool.safetensors (header metadata {"format": "polykv-pool", "version": "2"}); ex
     doc.<i>.ids                      int64 [tokens]  token ids (always; evicted documents keep only these)
     doc.<i>.layer.<l>.{k,v}.codes    codec.code_dtype [1, kv_heads(l), rows[l], codec.code_bytes / itemsize]
     doc.<i>.layer.<l>.{k,v}.scales   float16 [1, kv_heads(l), rows[l], codec.n_scales] (not for raw types)
+    doc.<i>.ngram                    int64 [tokens]  the document's n-gram index (`polykv.spec.NgramIndex`: a
+                                     suffix array, a permutation of 0..tokens-1); optional — a pool saved
+                                     without it (older polykv) rebuilds it from the ids on load
     innerq.layer.<l>                 float32 [kv_heads(l), head_dim(l)] InnerQ scales (turbo K only)
     empty                            float32 [1], only when there is nothing else
 manifest.json: every field required, no other field allowed
@@ -204,6 +207,8 @@ def save_pool(pool, path) -> None:
     docs = []
     for i, d in enumerate(pool._docs.values()):
         tensors[f"doc.{i}.ids"] = torch.tensor(d.ids, dtype=torch.int64)
+        if d.ngram is not None:
+            tensors[f"doc.{i}.ngram"] = d.ngram.sa.to(torch.int64).contiguous().cpu()
         rows = []
         if d.resident:
             for li, layer in enumerate(d.layers):
@@ -467,6 +472,16 @@ def _load_generation(cls, gdir: Path, model, tok, kwargs):
             _fail(dw, "token ids do not match ids_sha256 in the manifest")
         if vocab is not None and (min(ids) < 0 or max(ids) >= vocab):
             _fail(dw, f"token ids outside this model's vocabulary [0, {vocab})")
+        ngram = None
+        if f"doc.{i}.ngram" in data:
+            from ..spec import NgramIndex
+
+            sa = _expect(data, f"doc.{i}.ngram", torch.int64, (d["tokens"],), dw)
+            expected.add(f"doc.{i}.ngram")
+            try:
+                ngram = NgramIndex(ids, sa)
+            except ValueError as e:
+                _fail(dw, f"tensor doc.{i}.ngram: {e}")
         packed = []
         if d["resident"]:
             for li, (spec, cs) in enumerate(zip(layout, codecs)):
@@ -485,7 +500,7 @@ def _load_generation(cls, gdir: Path, model, tok, kwargs):
                             _fail(dw, f"tensor {base}.scales has non-finite values")
                     pl.append(Packed(codes, sc))
                 packed.append(pl)
-        docs.append((d, ids, packed))
+        docs.append((d, ids, packed, ngram))
     iq = {}
     for name, t in data.items():
         mm = re.fullmatch(r"innerq\.layer\.(\d+)", name)
@@ -512,8 +527,13 @@ def _load_generation(cls, gdir: Path, model, tok, kwargs):
 
     # --- build ---------------------------------------------------------------------------------
     pool = cls(model, tok, k=k_type, v=v_type, innerq=innerq, **kwargs)
-    for d, ids, packed in docs:
-        doc = _Document(d["id"], d["name"], ids, d["chat"], d["tail"], naive_f16_bytes=d["naive_f16_bytes"])
+    for d, ids, packed, ngram in docs:
+        if ngram is None:  # saved without an index: rebuild it from the ids
+            from ..spec import NgramIndex
+
+            ngram = NgramIndex(ids)
+        doc = _Document(d["id"], d["name"], ids, d["chat"], d["tail"], naive_f16_bytes=d["naive_f16_bytes"],
+                        ngram=ngram)
         if d["resident"]:
             layers = []
             for li, (spec, (kc, vc)) in enumerate(zip(layout, codecs)):

@@ -59,6 +59,8 @@ class _Document:
     refs: int = 0
     last_used: float = 0.0
     naive_f16_bytes: int = 0  # measured bytes of one real f16 DynamicCache of the document
+    ngram: object = None  # polykv.spec.NgramIndex over ids (speculative drafts), built at add_document
+    outputs: object = None  # polykv.spec.SuffixTree over the outputs of its agents (created on first use)
 
     @property
     def length(self) -> int:
@@ -184,6 +186,10 @@ class SharedKVPool:
             if doc is None:
                 doc = _Document(doc_id, name, ids, chat, tail)
                 self._docs[doc_id] = doc
+            if doc.ngram is None:
+                from ..spec import NgramIndex
+
+                doc.ngram = NgramIndex(ids)
             elif name and not doc.name:
                 doc.name = name
             doc.last_used = time.monotonic()
@@ -504,9 +510,22 @@ class SharedKVPool:
         text = prompt + d.tail if (chat_template and d.chat) else prompt
         return self.tok(text, add_special_tokens=False)["input_ids"]
 
+    def spec_sources(self, doc: str) -> tuple:
+        """(n-gram index, outputs suffix tree) of a document, for `polykv.spec.Speculator` (built
+        here when missing: a document added through another path)."""
+        from ..spec import NgramIndex, SuffixTree
+
+        with self._lock:
+            d = self._doc(doc)
+            if d.ngram is None:
+                d.ngram = NgramIndex(d.ids)
+            if d.outputs is None:
+                d.outputs = SuffixTree()
+            return d.ngram, d.outputs
+
     def generate(self, doc: str, prompts, max_new_tokens: int = 64, temperature: float = 0.0,
                  top_p: float = 1.0, top_k: int = 0, seed: int | None = None, stop=None,
-                 chat_template: bool = True) -> list[str]:
+                 chat_template: bool = True, speculative=None) -> list[str]:
         """Answer every prompt as one agent over `doc`; all agents run in one batched forward per
         step. prompts: a list of texts, conversations or suffix id lists (see `prompt_ids`). Greedy when
         temperature == 0. Generation stops at `polykv.generation.stop_token_ids`, at any `stop` string (cut
@@ -514,9 +533,11 @@ class SharedKVPool:
         from its own stream seeded `seed + i` (a random seed when None), independent of the other
         agents. Returns the decoded answers (special tokens skipped)."""
         from ..generation import find_stop, is_greedy, stop_token_ids
+        from ..spec import SpecConfig, Speculator
 
         if isinstance(prompts, str):
             raise TypeError("prompts must be a list of prompts")
+        spec_cfg = SpecConfig.parse(speculative)
         t0 = time.perf_counter()
         suffixes = [self.prompt_ids(doc, p, chat_template) for p in prompts]
         stops = [stop] if isinstance(stop, str) else list(stop or [])
@@ -531,37 +552,61 @@ class SharedKVPool:
         peak = 0
         if not suffixes:
             return []
+        spec = None
+        if spec_cfg is not None:
+            index, tree = self.spec_sources(doc)
+            spec = Speculator(index, tree, self.device.type)
+        extra = spec_cfg.num_draft_tokens if spec_cfg is not None else 0
         with self.open_batch(doc, capacity=len(suffixes)) as batch:
-            batch.reserve([len(s) + max_new_tokens for s in suffixes])  # pages each agent needs
+            # pages each agent needs (+ room for the drafts of its last step)
+            batch.reserve([len(s) + max_new_tokens + extra for s in suffixes])
             aids = [batch.add(s) for s in suffixes]
             if sampled:
                 for i, a in enumerate(aids):
                     batch.set_sampling(a, temperature, top_p, top_k, seed=base_seed + i)
+            if spec is not None:
+                for a, s in zip(aids, suffixes):
+                    spec.add(a, s, spec_cfg)
             outs = {a: [] for a in aids}
             live = set(aids) if max_new_tokens > 0 else set()
+            drafted: dict[int, int] = {}
             while live:
-                chosen = batch.step_tokens()
+                if spec is None:
+                    chosen = {a: [t] for a, t in batch.step_tokens().items()}
+                else:
+                    chosen = batch.step_verify()
+                    spec.step_done(any(drafted.values()))
                 steps += 1
-                feed = {}
+                feed, drafts = {}, {}
                 for a in aids:
                     if a not in live:
                         continue
-                    t = chosen[a]
-                    if t in eos:
-                        done = True
-                    else:
-                        outs[a].append(t)
-                        done = len(outs[a]) >= max_new_tokens or (
-                            stops and find_stop(self.tok.decode(outs[a], skip_special_tokens=True), stops) >= 0)
+                    emitted = chosen[a]
+                    if spec is not None:
+                        spec.record(a, emitted, drafted.get(a, 0))
+                    done = False
+                    for t in emitted:  # the plain loop's rules, token by token
+                        if t in eos:
+                            done = True
+                        else:
+                            outs[a].append(t)
+                            done = len(outs[a]) >= max_new_tokens or (
+                                stops and find_stop(self.tok.decode(outs[a], skip_special_tokens=True), stops) >= 0)
+                        if done:
+                            break
                     if done:
                         live.discard(a)
                     else:
-                        feed[a] = t
+                        feed[a] = emitted[-1]
+                        if spec is not None:
+                            drafts[a] = spec.propose(a, limit=max_new_tokens - len(outs[a]) - 1)
                 self.peak_agent_bytes = max(self.peak_agent_bytes, batch.nbytes())
                 peak = batch.peak_bytes
                 for a in [a for a in aids if a not in live and a in batch.agents()]:
                     batch.remove(a)
                 batch.feed(feed)
+                drafted = {a: len(d) for a, d in drafts.items() if d}
+                batch.feed_drafts({a: d for a, d in drafts.items() if d})
         texts = []
         for a in aids:
             s = self.tok.decode(outs[a], skip_special_tokens=True)
@@ -571,6 +616,9 @@ class SharedKVPool:
                                   new_tokens=[len(outs[a]) for a in aids], kv_bytes_agents_peak=peak,
                                   suffix_ids=suffixes, answer_ids=[list(outs[a]) for a in aids],
                                   seconds=time.perf_counter() - t0)
+        if spec is not None:
+            self.last_generate["speculative"] = dict(spec.stats(), method=spec_cfg.method,
+                                                     num_draft_tokens=spec_cfg.num_draft_tokens)
         return texts
 
     # --- memory ------------------------------------------------------------------------------

@@ -1,0 +1,158 @@
+"""Per-agent speculation state for a batch loop (`SharedKVPool.generate`, the engine).
+
+    cfg = SpecConfig.parse({"method": "prompt_lookup", "num_draft_tokens": 4})
+    spec = Speculator(index=doc_ngram_index, tree=doc_outputs_tree, device_type="cpu")
+    spec.add(key, prompt_ids, cfg)            # an agent and its suffix prompt
+    spec.record(key, emitted, drafted)        # after a step: acceptance, contexts, outputs tree
+    drafts = spec.propose(key, limit)         # guesses after its last emitted token (to be fed)
+    spec.stats()                              # {steps, drafted, accepted, tokens, ...}
+
+Methods: "prompt_lookup" (`PromptLookup` over the document's `NgramIndex` and the agent's own
+tokens), "suffix_tree" (`SuffixTreeDrafter`: the document's outputs tree, then prompt lookup),
+"draft_model" (`DraftModel`, given as `draft_model=`). The draft length per agent comes from
+`AdaptiveLength` unless `adaptive` is false (then always num_draft_tokens).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from .adaptive import AdaptiveLength
+from .drafters import DraftModel, NgramIndex, PromptLookup, SuffixTree, SuffixTreeDrafter
+
+__all__ = ["METHODS", "SpecConfig", "Speculator", "DEFAULT_COST_PER_DRAFT"]
+
+METHODS = ("prompt_lookup", "suffix_tree", "draft_model")
+
+#: Extra cost of one draft column per agent, in decode steps (`AdaptiveLength`). CPU: measured on
+#: the 2-core sandbox with SmolLM2-135M over the 1.8k-token demo document (docs/speculative.md);
+#: CUDA: verify columns fill the tile a decode step pads (issue I), a few percent at most.
+DEFAULT_COST_PER_DRAFT = {"cpu": 0.1, "cuda": 0.05}
+
+
+@dataclass
+class SpecConfig:
+    method: str = "prompt_lookup"
+    num_draft_tokens: int = 4
+    adaptive: bool = True
+    max_ngram: int = 6
+    min_ngram: int = 2
+    cost_per_draft: float | None = None  # None: DEFAULT_COST_PER_DRAFT of the device
+    draft_model: object = None
+
+    def __post_init__(self):
+        if self.method not in METHODS:
+            raise ValueError(f"unknown speculative method {self.method!r}; methods: {', '.join(METHODS)}")
+        if type(self.num_draft_tokens) is not int or not 1 <= self.num_draft_tokens <= 16:
+            raise ValueError(f"num_draft_tokens must be an integer in [1, 16], got {self.num_draft_tokens!r}")
+        if not 1 <= int(self.min_ngram) <= int(self.max_ngram):
+            raise ValueError("need 1 <= min_ngram <= max_ngram")
+        if self.method == "draft_model" and self.draft_model is None:
+            raise ValueError('method "draft_model" needs draft_model= (a DraftModel or a causal LM)')
+
+    @classmethod
+    def parse(cls, obj) -> "SpecConfig | None":
+        """None / False / {} -> None (off); True -> defaults; "method[:k]"; a dict of the fields; a
+        SpecConfig."""
+        if obj is None or obj is False or obj == {} or obj == "":
+            return None
+        if isinstance(obj, cls):
+            return obj
+        if obj is True:
+            return cls()
+        if isinstance(obj, str):
+            method, _, k = obj.partition(":")
+            return cls(method=method or "prompt_lookup", **({"num_draft_tokens": int(k)} if k else {}))
+        if isinstance(obj, dict):
+            unknown = set(obj) - set(cls.__dataclass_fields__)
+            if unknown:
+                raise ValueError(f"unknown speculative fields {sorted(unknown)}")
+            return cls(**obj)
+        raise TypeError(f"speculative must be a dict, a string or None, got {type(obj).__name__}")
+
+
+class _AgentSpec:
+    __slots__ = ("context", "drafter", "length", "handle", "key")
+
+    def __init__(self, context, drafter, length, handle, key):
+        self.context, self.drafter, self.length, self.handle, self.key = context, drafter, length, handle, key
+
+
+class Speculator:
+    """See module doc. index / tree: the document's n-gram index and outputs tree (either may be
+    None: prompt lookup then matches the agent's own tokens only; no tree is updated)."""
+
+    def __init__(self, index: NgramIndex | None = None, tree: SuffixTree | None = None, device_type: str = "cpu"):
+        self.index, self.tree, self.device_type = index, tree, device_type
+        self._agents: dict = {}
+        self.steps = self.drafted = self.accepted = self.tokens = self.agent_steps = 0
+
+    def add(self, key, prompt_ids: list[int], config: SpecConfig) -> None:
+        lookup = PromptLookup(self.index, config.max_ngram, config.min_ngram)
+        if config.method == "prompt_lookup":
+            drafter = lookup
+        elif config.method == "suffix_tree":
+            drafter = SuffixTreeDrafter(self.tree if self.tree is not None else SuffixTree(), lookup)
+        else:
+            dm = config.draft_model
+            drafter = dm if isinstance(dm, DraftModel) else DraftModel(dm, list(self.index.ids) if self.index else [])
+        cost = config.cost_per_draft
+        if cost is None:
+            cost = DEFAULT_COST_PER_DRAFT.get(self.device_type, DEFAULT_COST_PER_DRAFT["cpu"])
+        length = AdaptiveLength(config.num_draft_tokens, cost_per_draft=cost, fixed=not config.adaptive)
+        handle = self.tree.start() if self.tree is not None else None
+        self._agents[key] = _AgentSpec([int(t) for t in prompt_ids], drafter, length, handle, key)
+
+    def __contains__(self, key) -> bool:
+        return key in self._agents
+
+    def propose(self, key, limit: int | None = None) -> list[int]:
+        """Drafts to verify after the agent's context (prompt + every token `record`ed, the last of
+        which is about to be fed); at most `limit` (e.g. the tokens it may still emit, minus the one
+        every step emits anyway)."""
+        st = self._agents[key]
+        k = st.length.next()
+        if limit is not None:
+            k = min(k, int(limit))
+        if k <= 0:
+            return []
+        ctx = st.context
+        if isinstance(st.drafter, DraftModel):
+            return st.drafter.propose(ctx, k, key=key)[:k]
+        return st.drafter.propose(ctx, k)[:k]
+
+    def record(self, key, emitted: list[int], drafted: int) -> None:
+        """After a step of agent `key`: the tokens it emitted (all of them, kept or not) and how many
+        drafts it had verified."""
+        st = self._agents.get(key)
+        if st is None:
+            return
+        st.context.extend(int(t) for t in emitted)
+        if self.tree is not None:
+            self.tree.extend_all(st.handle, emitted)
+        if drafted:
+            acc = len(emitted) - 1
+            st.length.update(drafted, acc)
+            self.drafted += drafted
+            self.accepted += acc
+            self.tokens += len(emitted)
+            self.agent_steps += 1
+
+    def step_done(self, verified: bool) -> None:
+        """One batch step ran; `verified`: it had a verify forward."""
+        if verified:
+            self.steps += 1
+
+    def remove(self, key) -> None:
+        st = self._agents.pop(key, None)
+        if st is not None and isinstance(st.drafter, DraftModel):
+            st.drafter.forget(key)
+
+    def stats(self) -> dict:
+        """steps: verify forwards; drafted / accepted: draft tokens verified / accepted; tokens:
+        tokens emitted by agents in verify forwards; agent_steps: (agent, verify forward) pairs;
+        tokens_per_step = tokens / agent_steps; acceptance = accepted / drafted."""
+        return dict(steps=self.steps, drafted=self.drafted, accepted=self.accepted, tokens=self.tokens,
+                    agent_steps=self.agent_steps,
+                    tokens_per_step=self.tokens / self.agent_steps if self.agent_steps else 0.0,
+                    acceptance=self.accepted / self.drafted if self.drafted else 0.0)
