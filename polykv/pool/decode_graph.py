@@ -7,6 +7,10 @@ static device inputs, and replayed: per step the host fills one pinned int64 [3,
 (tokens, write rows, positions), makes one host-to-device copy and one replay. Logits and the greedy
 choice are static outputs of the graph.
 
+Verification steps of speculative decoding (`run_columns`: each agent feeds its pending token and
+its drafts, up to n_q columns, left-padded) are captured the same way per (bucket, n_q), n_q rounded
+up to a power of two; the graph keeps the logits of every column.
+
 A graph reads the page pools and the device page table it was captured with: a new page for an
 agent only changes table entries (refreshed in place before the replay); when the AgentCache
 reallocates a pool or the table (`storage_version` changes) every graph is dropped and recaptured.
@@ -43,9 +47,10 @@ def bucket(n: int) -> int:
 class _Captured:
     graph: torch.cuda.CUDAGraph | None  # None: the static step runs eagerly (`capture=False`)
     fn: object  # the step itself
-    host: torch.Tensor  # pinned int64 [3, B]: tokens, flat write rows, position ids
+    host: torch.Tensor  # pinned int64 [3, B, n_q]: tokens, flat write rows, position ids
     inp: torch.Tensor  # device copy of `host`
-    out: dict  # "logits" float32 [B, vocab], "greedy" int64 [B]: written by each replay
+    out: dict  # n_q = 1: "logits" float32 [B, vocab], "greedy" int64 [B]; n_q > 1: "logits"
+    # float32 [B, n_q, vocab]. Written by each replay.
 
 
 class DecodeGraphs:
@@ -54,7 +59,7 @@ class DecodeGraphs:
     def __init__(self, model, cache: AgentCache, pad_id: int, warmup: int = 2, capture: bool = True):
         self.model, self.cache, self.pad_id, self.warmup = model, cache, int(pad_id), warmup
         self.capture = capture  # False: run the static step eagerly (tests on CPU)
-        self._graphs: dict[int, _Captured] = {}
+        self._graphs: dict[tuple[int, int], _Captured] = {}  # (bucket, n_q) -> step
         self._version = cache.storage_version
         self._mempool = None
 
@@ -62,59 +67,86 @@ class DecodeGraphs:
         """One decode step of the agents in slots 0..len(tokens)-1, token tokens[g] for slot g.
         Returns (logits float32 [n, vocab], greedy int64 [n]) — device views valid until the next
         replay. Advances the cache's host lengths."""
+        out = self._replay([[t] for t in tokens], 1)
+        return out["logits"][: len(tokens)], out["greedy"][: len(tokens)]
+
+    def run_columns(self, columns: list[list[int]], keep: int) -> torch.Tensor:
+        """One forward of the agents in slots 0..len(columns)-1, agent g feeding columns[g] (1 or
+        more tokens, its pending token and drafts), left-padded to n_q >= keep columns. Returns
+        float32 [n, keep, vocab] logits of the last `keep` columns (a device view valid until the
+        next replay). Advances the cache's host lengths by each agent's token count."""
+        width = max(len(c) for c in columns)
+        if keep > width:
+            raise ValueError(f"keep={keep} exceeds the widest agent ({width} tokens)")
+        n_q = bucket(max(2, width))
+        out = self._replay(columns, n_q)
+        return out["logits"][: len(columns), n_q - keep:]
+
+    def _replay(self, columns: list[list[int]], n_q: int) -> dict:
         cache = self.cache
-        n = len(tokens)
-        B = min((b for b in self._graphs if b >= n), default=bucket(n))
+        n = len(columns)
+        B = min((b for b, w in self._graphs if w == n_q and b >= n), default=bucket(n))
         if B > cache.batch_capacity:
             cache.reserve(B)
         # host bookkeeping in plain Python (a few microseconds for tens of agents)
         base = cache.lens[:n].tolist()
+        counts = [len(c) for c in columns]
         pages = cache.pages
-        for slot, b in enumerate(base):
-            pages.ensure(slot, b + 1)
+        for slot, (b, c) in enumerate(zip(base, counts)):
+            pages.ensure(slot, b + c)
         cache.grow_storage()  # the pools follow the pages ensure added
         if cache.storage_version != self._version:
             self._graphs.clear()
             self._version = cache.storage_version
         pages.device_table()  # refreshed in place before the replay reads it
-        cap = self._graphs.get(B) or self._capture(B)
+        cap = self._graphs.get((B, n_q)) or self._capture(B, n_q)
         h = cap.host
-        h[:, :n] = torch.tensor([tokens, [pages.row(s, b) for s, b in enumerate(base)],
-                                 [cache.doc_len + b for b in base]], dtype=torch.long)
+        toks, rows, pos = [], [], []
+        for slot, (b, col) in enumerate(zip(base, columns)):
+            pad = n_q - len(col)
+            new = b + len(col)
+            toks.append([self.pad_id] * pad + list(col))
+            rows.append([cache.scratch_row()] * pad + [pages.row(slot, b + j) for j in range(len(col))])
+            # padded columns: the positions before the real ones (as AgentCache.begin), clamped
+            pos.append([max(0, cache.doc_len + new - n_q + j) for j in range(n_q)])
+        h[:, :n] = torch.tensor([toks, rows, pos], dtype=torch.long)
         self._fill_padding(h, n, cache.scratch_row())
         cap.inp.copy_(h)
         if cap.graph is not None:
             cap.graph.replay()
         else:
             cap.fn()
-        cache.lens[:n] += 1
-        return cap.out["logits"][:n], cap.out["greedy"][:n]
+        cache.lens[:n] += torch.tensor(counts, dtype=cache.lens.dtype)
+        return cap.out
 
     def _fill_padding(self, h: torch.Tensor, n: int, scratch: int) -> None:
         """Padded rows: pad token, write to the scratch row, position doc_len - 1 (an empty suffix)."""
         if n < h.shape[1]:
-            h[:, n:] = torch.tensor([[self.pad_id], [scratch], [self.cache.doc_len - 1]])
+            h[:, n:] = torch.tensor([[self.pad_id], [scratch], [self.cache.doc_len - 1]])[:, :, None]
 
-    def _capture(self, B: int) -> _Captured:
+    def _capture(self, B: int, n_q: int) -> _Captured:
         cache, dev = self.cache, self.cache.device
-        host = torch.empty(3, B, dtype=torch.long, pin_memory=dev.type == "cuda")
+        host = torch.empty(3, B, n_q, dtype=torch.long, pin_memory=dev.type == "cuda")
         self._fill_padding(host, 0, cache.scratch_row())  # warm-up writes go to scratch
         inp = host.to(dev)
-        mask = dummy_mask(B, 1, dev)
+        mask = dummy_mask(B, n_q, dev)
         out: dict[str, torch.Tensor] = {}
 
         def step():
-            ids, rows, pos = inp[0].view(B, 1), inp[1].view(B, 1), inp[2].view(B, 1)
-            lens = (pos[:, 0] - cache.doc_len + 1).to(torch.int32)
-            cache._group = Group(sel=slice(0, B), n_q=1, rows=rows, lens=lens,
+            ids, rows, pos = inp[0], inp[1], inp[2]
+            lens = (pos[:, -1] - cache.doc_len + 1).to(torch.int32)  # the last column's position
+            cache._group = Group(sel=slice(0, B), n_q=n_q, rows=rows, lens=lens,
                                  seq=cache.pages.table.shape[1] * cache.pages.page_size)
             try:
                 res = self.model(input_ids=ids, position_ids=pos, attention_mask=mask,
-                                 past_key_values=cache, use_cache=True, logits_to_keep=1)
+                                 past_key_values=cache, use_cache=True, logits_to_keep=n_q)
             finally:
                 cache._group = None
-            out["logits"] = res.logits[:, -1].float()
-            out["greedy"] = torch.argmax(out["logits"], dim=-1)
+            if n_q == 1:
+                out["logits"] = res.logits[:, -1].float()
+                out["greedy"] = torch.argmax(out["logits"], dim=-1)
+            else:
+                out["logits"] = res.logits.float()
 
         graph = None
         if self.capture:
@@ -124,5 +156,5 @@ class DecodeGraphs:
         else:
             step()  # allocates the outputs the later calls overwrite
         cap = _Captured(graph, step, host, inp, out)
-        self._graphs[B] = cap
+        self._graphs[(B, n_q)] = cap
         return cap

@@ -65,7 +65,7 @@ def test_static_step_pads_to_bucket_and_step_tokens(tiny):
             batch.feed({a: 40 + i for i, a in enumerate(aids)})
         toks = b.step_tokens()
         ref = e.step()
-        assert set(b._graphs._graphs) == {4}
+        assert set(b._graphs._graphs) == {(4, 1)}
         assert toks == {a: int(torch.argmax(lg)) for a, lg in ref.items()}
         assert torch.equal(b.cache.lens, e.cache.lens)
 
@@ -143,3 +143,34 @@ def test_budget_counts_agent_pages(tiny):
         assert docs[a] + docs[b] + big.nbytes() > pool.budget_bytes
         resident = {d["id"]: d["resident"] for d in pool.documents()}
         assert resident == {a: True, b: False}  # b evicted for a's agents; a (in use) kept
+
+
+def test_static_multi_column_step_matches_plain_forward(tiny):
+    """run_columns (the captured verification step: each agent feeds 1..n tokens, left-padded to a
+    power-of-two width) gives every real column the logits of a plain forward over doc + suffix +
+    those tokens, advances each agent by its own count, and leaves a cache the next step reads."""
+    model, tok = tiny
+    pool = SharedKVPool(model, tok, k="f16", v="f16", prefill_chunk=16)
+    doc = pool.add_document(DOC)
+    sufs = [[5, 6], [7], [8, 9, 10]]
+    cols = [[40, 41, 42], [43], [44, 45]]  # widest 3 -> n_q 4 (one padded column each at least)
+
+    def ref(ids, n):
+        with torch.no_grad():
+            return model(torch.tensor([DOC + ids])).logits[0, -n:]
+
+    with pool.open_batch(doc, capacity=4, seq_capacity=16) as b:
+        b._graphs = DecodeGraphs(model, b.cache, pool._pad_id, capture=False)
+        aids = [b.add(s) for s in sufs]
+        b.step()
+        got = b._graphs.run_columns(cols, keep=3)
+        assert got.shape[:2] == (3, 3) and set(b._graphs._graphs) == {(4, 4)}
+        for g, (s, c) in enumerate(zip(sufs, cols)):
+            torch.testing.assert_close(got[g, 3 - len(c):], ref(s + c, len(c)), rtol=1e-4, atol=1e-4)
+        assert b.cache.lens[:3].tolist() == [len(s) + len(c) for s, c in zip(sufs, cols)]
+        for a in aids:  # the agents' own token lists follow what the static step consumed
+            b._get(a).tokens.extend(cols[aids.index(a)])
+        b.feed({a: 50 + i for i, a in enumerate(aids)})
+        nxt = b.step()
+        for i, a in enumerate(aids):
+            torch.testing.assert_close(nxt[a], ref(sufs[i] + cols[i] + [50 + i], 1)[0], rtol=1e-4, atol=1e-4)
