@@ -101,6 +101,8 @@ def demo(
     v: Optional[str] = typer.Option(None, "--v", help="Value type (overrides the preset)."),
     model: Optional[str] = typer.Option(None, "--model", help="Model (default: embedded SmolLM2-135M)."),
     max_new_tokens: int = typer.Option(32, "--max-new-tokens"),
+    speculative: Optional[str] = typer.Option(None, "--speculative", help="Speculative decoding: prompt_lookup"
+                                              "[:k] or suffix_tree[:k] (same answers; stats in the JSON)."),
 ):
     """The main job: one bundled document prefilled once, N agents answer questions over it."""
     from .demo import format_demo, run_demo
@@ -110,7 +112,7 @@ def demo(
 
     k, v, _ = resolve(preset, k, v)
     m, tok = load_model(model)
-    result = run_demo(m, tok, agents=agents, k=k, v=v, max_new_tokens=max_new_tokens)
+    result = run_demo(m, tok, agents=agents, k=k, v=v, max_new_tokens=max_new_tokens, speculative=speculative)
     if json_out:
         emit(result)
     else:
@@ -322,6 +324,55 @@ def bench_serve_cmd(
         print(json.dumps(result, indent=2))
 
 
+@bench_app.command("spec")
+def bench_spec_cmd(
+    agents: str = typer.Option("4", "--agents", help="Agent counts (comma-separated)."),
+    workloads: str = typer.Option("quoting,freeform", "--workloads"),
+    methods: str = typer.Option("prompt_lookup", "--methods", help="prompt_lookup, suffix_tree (comma-separated)."),
+    num_draft_tokens: int = typer.Option(4, "--num-draft-tokens"),
+    max_new_tokens: int = typer.Option(64, "--max-new-tokens"),
+    repeats: int = typer.Option(1, "--repeats", help="Timed runs per side (median)."),
+    fixed: bool = typer.Option(False, "--fixed", help="Always draft --num-draft-tokens (no adaptive length)."),
+    keep_wraps: bool = typer.Option(False, "--keep-wraps", help="Keep the document's hard line wraps (default: "
+                                    "paragraphs joined into lines, as pasted text usually is)."),
+    row_invariant: bool = typer.Option(False, "--row-invariant", help="Both sides with row-invariant linears "
+                                       "(polykv.spec.invariant: token identity independent of forward shapes)."),
+    model: Optional[str] = typer.Option(None, "--model", help="Model (default: embedded SmolLM2-135M; a local HF "
+                                        "dir works on a machine without the package)."),
+    device: Optional[str] = typer.Option(None, "--device", help="cuda (default when available) or cpu."),
+    k: str = typer.Option("q8_0", "--k"),
+    v: str = typer.Option("turbo3", "--v"),
+    out: Optional[str] = typer.Option(None, "--out", help="Write the JSON result to this file."),
+    json_out: bool = typer.Option(False, "--json"),
+):
+    """Speculative decoding (prompt lookup / suffix tree) vs plain decoding, same prompts, same run:
+    tokens per verify step, acceptance, tok/s, identical answers (issue I)."""
+    from pathlib import Path
+
+    import torch
+
+    from .bench.spec import TABLE_COLUMNS, bench_spec
+    from .hf.loading import load_model
+
+    dev = device or ("cuda" if torch.cuda.is_available() else "cpu")
+    m, tok = load_model(model, device=dev)
+    result = bench_spec(m, tok, agents=tuple(int(a) for a in agents.split(",") if a),
+                        workloads=tuple(w for w in workloads.split(",") if w),
+                        methods=tuple(x for x in methods.split(",") if x), num_draft_tokens=num_draft_tokens,
+                        max_new_tokens=max_new_tokens, repeats=repeats, k=k, v=v, adaptive=not fixed,
+                        unwrap=not keep_wraps, row_invariant=row_invariant,
+                        log=lambda s: print(s, file=sys.stderr, flush=True))
+    if out:
+        Path(out).parent.mkdir(parents=True, exist_ok=True)
+        Path(out).write_text(json.dumps(result, indent=1, default=_jsonable) + "\n")
+    if json_out:
+        emit(result)
+        return
+    _console().print(_table("speculative vs plain decoding", result["rows"], TABLE_COLUMNS,
+                            {"tokens_per_step": "{:.2f}", "acceptance": "{:.2f}", "tok_s": "{:.1f}",
+                             "tok_s_baseline": "{:.1f}", "speedup": "{:.2f}"}))
+
+
 @app.command()
 def serve(
     host: str = typer.Option("127.0.0.1", "--host"),
@@ -340,6 +391,9 @@ def serve(
     host_budget: Optional[int] = typer.Option(None, "--host-budget", help="Bytes of host-tier documents (pinned "
                                               "host memory, streamed into attention; default: no host tier)."),
     torch_threads: Optional[int] = typer.Option(None, "--torch-threads", help="Engine intra-op threads."),
+    speculative: Optional[str] = typer.Option(None, "--speculative", help="Default speculative decoding of "
+                                              "document requests: prompt_lookup[:k] or suffix_tree[:k] (a request's "
+                                              "own `speculative` wins)."),
     api_key: Optional[str] = typer.Option(None, "--api-key", envvar="POLYKV_API_KEY", show_envvar=True,
                                           help="Require 'Authorization: Bearer KEY' on every route but /health."),
     use_ray: bool = typer.Option(False, "--ray", help="Serve on Ray Serve: N engine replicas behind one "
@@ -354,6 +408,17 @@ def serve(
 ):
     """OpenAI-compatible HTTP server over shared compressed documents."""
     from .server import serve as _serve
+
+    if speculative:
+        import os
+
+        from .spec import SpecConfig
+
+        try:
+            SpecConfig.parse(speculative)
+        except (ValueError, TypeError) as e:
+            raise typer.BadParameter(f"--speculative: {e}")
+        os.environ["POLYKV_SPECULATIVE"] = speculative  # read per request (server/routes/completions.py)
 
     if budget_bytes is not None and gpu_budget is not None and budget_bytes != gpu_budget:
         raise typer.BadParameter("--budget-bytes is the old name of --gpu-budget: give one (or equal values)")

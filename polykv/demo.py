@@ -53,10 +53,11 @@ def _naive_copies(model, f16, doc_len: int, suffixes: list[list[int]]) -> int:
 
 
 def run_demo(model=None, tok=None, agents: int = 8, k: str = "q8_0", v: str = "turbo3",
-             max_new_tokens: int = 32, document: str | None = None, questions=None) -> dict:
+             max_new_tokens: int = 32, document: str | None = None, questions=None, speculative=None) -> dict:
     """Run the demo; returns a JSON-ready dict: agents, doc_tokens, questions, expected, answers,
     hits, kv_bytes_shared, kv_bytes_prefix, kv_bytes_agents, kv_bytes_naive_f16,
-    kv_bytes_naive_f16_single, ratio, k, v, seconds (total) and timings."""
+    kv_bytes_naive_f16_single, ratio, k, v, seconds (total) and timings; with `speculative`
+    (`SharedKVPool.generate`'s argument), also `speculative` = its stats."""
     from .cache.accounting import storage_bytes
     from .pool import SharedKVPool
 
@@ -81,7 +82,7 @@ def run_demo(model=None, tok=None, agents: int = 8, k: str = "q8_0", v: str = "t
     f16_single = storage_bytes(f16.tensors())
 
     t2 = time.perf_counter()
-    answers = pool.generate(doc, qs, max_new_tokens=max_new_tokens)
+    answers = pool.generate(doc, qs, max_new_tokens=max_new_tokens, speculative=speculative)
     t_gen = time.perf_counter() - t2
     info = pool.last_generate
     agent_bytes = int(info["kv_bytes_agents_peak"])
@@ -93,7 +94,8 @@ def run_demo(model=None, tok=None, agents: int = 8, k: str = "q8_0", v: str = "t
     del f16
     hits = [bool(e) and _norm(e) in _norm(a) for e, a in zip(expected, answers)]
     shared = prefix_bytes + agent_bytes
-    return dict(agents=agents, doc_tokens=d.length, questions=qs, expected=expected, answers=answers,
+    extra = {"speculative": info["speculative"]} if "speculative" in info else {}
+    return dict(extra, agents=agents, doc_tokens=d.length, questions=qs, expected=expected, answers=answers,
                 hits=hits, hit_count=sum(hits), kv_bytes_shared=shared, kv_bytes_prefix=prefix_bytes,
                 kv_bytes_agents=agent_bytes, kv_bytes_naive_f16=naive,
                 kv_bytes_naive_f16_single=f16_single, ratio=naive / shared if shared else 0.0,

@@ -24,6 +24,13 @@ logits and each request's `Sampler` draws the same way on the host. A request's 
 (its seed, its token index, the vocabulary id): a seeded request gives the same tokens whatever runs
 beside it; an unseeded one gets a seed drawn once at admission.
 
+Speculative decoding (``GenerationRequest.speculative``, a `polykv.spec.SpecConfig`; documents only):
+the batch's `Speculator` (one per document batch, over the pool's n-gram index and outputs tree of the
+document) proposes drafts after each fed token; a step with drafts runs `AgentBatch.step_verify` and
+every emitted token of an agent goes through the same eos / stop / max_tokens rules, in order. Tokens
+are the ones plain decoding gives (`polykv.spec.verify`); ``usage["speculative"]`` reports the
+request's drafted / accepted tokens and verify steps.
+
 Failures stay with the request that caused them:
 
 * A batch whose ``step()`` raises is not stepped again (it may hold half-applied state: some agents'
@@ -86,6 +93,7 @@ class GenerationRequest:
     params: SamplingParams = field(default_factory=SamplingParams)
     document: Any = None  # a pool document id, or None for a plain request
     request_id: str = ""
+    speculative: Any = None  # a polykv.spec.SpecConfig (document requests), or None
 
 
 class RequestHandle:
@@ -179,7 +187,7 @@ def _fold_event(ev, parts: list[str]) -> tuple[str, str, dict] | None:
 class _Live:
     """Engine-thread state of one running request."""
 
-    __slots__ = ("handle", "sampler", "stop", "tokens", "text_sent", "key", "aid", "eos")
+    __slots__ = ("handle", "sampler", "stop", "tokens", "text_sent", "key", "aid", "eos", "spec", "drafted")
 
     def __init__(self, handle: RequestHandle, key, aid, eos: frozenset[int]):
         p = handle.request.params
@@ -191,6 +199,8 @@ class _Live:
         self.key = key
         self.aid = aid
         self.eos = eos
+        self.spec = None  # {"drafted", "accepted", "steps"} while the request speculates
+        self.drafted = 0  # drafts queued for its next step
 
 
 _PLAIN = ("plain",)  # batch key of requests without a document
@@ -225,6 +235,7 @@ class Engine:
         self._inbox: queue.Queue = queue.Queue()  # ("submit", handle) | ("call", fn, fut) | ("wake",)
         self._waiting: deque[RequestHandle] = deque()
         self._batches: dict[Any, Any] = {}
+        self._specs: dict[Any, Any] = {}  # document -> polykv.spec.Speculator of its batch
         self._live: dict[tuple, _Live] = {}  # (key, aid) -> state
         self._doc_users: dict[Any, int] = {}  # document -> live+waiting requests
         self._users_lock = threading.Lock()
@@ -443,6 +454,9 @@ class Engine:
     def _finish(self, st: _Live | None, handle: RequestHandle, ev: Event) -> None:
         if st is not None:
             self._live.pop((st.key, st.aid), None)
+            spec = self._specs.get(st.key)
+            if spec is not None:
+                spec.remove(st.aid)
             batch = self._batches.get(st.key)
             if batch is not None:
                 try:
@@ -480,6 +494,7 @@ class Engine:
     def _close_empty(self) -> None:
         for key in [k for k, b in self._batches.items() if len(b) == 0]:
             self._close_batch(self._batches.pop(key))
+            self._specs.pop(key, None)
 
     def _new_batch(self, key):
         if key is _PLAIN:
@@ -507,6 +522,9 @@ class Engine:
                 self.check_budget()
                 st = _Live(h, key, aid, frozenset() if req.params.ignore_eos else self.eos_ids)
                 _set_sampling(batch, aid, st)
+                if req.speculative is not None and key is not _PLAIN and hasattr(batch, "step_verify"):
+                    self._speculator(key).add(aid, list(req.prompt_ids), req.speculative)
+                    st.spec = {"drafted": 0, "accepted": 0, "steps": 0}
             except Exception as exc:
                 if aid is not None:
                     try:
@@ -518,6 +536,17 @@ class Engine:
                 continue
             self._live[(key, aid)] = st
             n += 1
+
+    def _speculator(self, key):
+        spec = self._specs.get(key)
+        if spec is None:
+            from ..spec import Speculator
+
+            sources = getattr(self.pool, "spec_sources", None)
+            index, tree = sources(key) if sources is not None else (None, None)
+            dev = getattr(getattr(self.pool, "device", None), "type", "cpu")
+            spec = self._specs[key] = Speculator(index, tree, dev)
+        return spec
 
     def _step_all(self) -> None:
         for key in list(self._batches):
@@ -544,31 +573,61 @@ class Engine:
                 except Exception:  # pragma: no cover
                     log.exception("on_step callback failed")
             feed: dict = {}
+            drafts: dict = {}
+            spec = self._specs.get(key)
             for aid, lg in logits.items():
                 st = self._live.get((key, aid))
                 if st is None:
                     continue
                 if st.handle.cancelled:
                     self._finish(st, st.handle, Event("done", finish_reason="cancelled",
-                                                      usage=_usage(st.handle, len(st.tokens))))
+                                                      usage=_usage(st.handle, len(st.tokens), st)))
                     continue
                 try:
-                    if not isinstance(lg, int):  # a batch without a device path: draw on the host
+                    if isinstance(lg, list):  # step_verify: accepted drafts + the next token
+                        emitted = lg
+                    elif isinstance(lg, int):
+                        emitted = [lg]
+                    else:  # a batch without a device path: draw on the host
                         st.sampler.index = len(st.tokens)
-                        lg = st.sampler(lg)
-                    tok = lg
-                    if self._advance(st, tok):
-                        feed[aid] = tok
+                        emitted = [st.sampler(lg)]
+                    if st.spec is not None and st.drafted:
+                        st.spec["drafted"] += st.drafted
+                        st.spec["accepted"] += len(emitted) - 1
+                        st.spec["steps"] += 1
+                    if spec is not None and aid in spec:
+                        spec.record(aid, emitted, st.drafted)
+                    st.drafted = 0
+                    going = True
+                    for tok in emitted:
+                        going = self._advance(st, tok)
+                        if not going:
+                            break
+                    if going:
+                        feed[aid] = emitted[-1]
+                        if spec is not None and aid in spec:
+                            left = st.handle.request.params.max_tokens - len(st.tokens) - 1
+                            drafts[aid] = spec.propose(aid, limit=left)
                 except Exception as exc:  # this agent's sampling / detokenizing / stop check
                     log.exception("request %s failed after a step", st.handle.request.request_id)
                     self._fail(st, exc)
             self._feed(key, batch, feed)
+            drafts = {a: d for a, d in drafts.items() if d and a in feed}
+            if drafts:
+                try:
+                    batch.feed_drafts(drafts)
+                    for a, d in drafts.items():
+                        self._live[(key, a)].drafted = len(d)
+                except Exception:  # pragma: no cover - drafts are optional: go on without them
+                    log.exception("queueing drafts failed")
         self._close_empty()
 
     def _step_batch(self, key, batch) -> dict:
         """One step of a batch: {aid: token id} chosen on the batch's device (`AgentBatch.step_tokens`
         with the rows `_set_sampling` gave it: one copy of the ids, no logits on the host), or
         {aid: logits} from a batch without a device path (each request's `Sampler` draws)."""
+        if hasattr(batch, "step_verify") and key in self._specs:
+            return batch.step_verify()
         if _device_path(batch):
             return batch.step_tokens()
         return batch.step()
@@ -605,6 +664,8 @@ class Engine:
             return {}
         for st in lives:
             self._live.pop((key, st.aid), None)
+            st.spec, st.drafted = None, 0  # re-added agents go on without speculation
+        self._specs.pop(key, None)
         self._batches[key] = batch
         self._close_batch(failed)
         out: dict = {}
@@ -662,7 +723,7 @@ class Engine:
             if rest:
                 st.handle._put(Event("token", text=rest))
         n = len(st.tokens) if count is None else count
-        self._finish(st, st.handle, Event("done", finish_reason=reason, usage=_usage(st.handle, n)))
+        self._finish(st, st.handle, Event("done", finish_reason=reason, usage=_usage(st.handle, n, st)))
 
     def _fail_all(self, exc: BaseException) -> None:
         for st in list(self._live.values()):
@@ -708,7 +769,12 @@ def _set_sampling(batch, aid, st: _Live) -> None:
         batch.set_sampling(aid, p.temperature, p.top_p, p.top_k or 0, s.seed, start=len(st.tokens))
 
 
-def _usage(handle: RequestHandle, completion_tokens: int) -> dict:
+def _usage(handle: RequestHandle, completion_tokens: int, st: _Live | None = None) -> dict:
     pt = len(handle.request.prompt_ids)
-    return {"prompt_tokens": pt, "completion_tokens": completion_tokens, "total_tokens": pt + completion_tokens}
+    out = {"prompt_tokens": pt, "completion_tokens": completion_tokens, "total_tokens": pt + completion_tokens}
+    if st is not None and st.spec is not None:
+        sp = st.spec
+        out["speculative"] = dict(sp, method=handle.request.speculative.method,
+                                  acceptance=sp["accepted"] / sp["drafted"] if sp["drafted"] else 0.0)
+    return out
 

@@ -35,6 +35,9 @@ class _Sampling(_Body):
     frequency_penalty: _Num | None = Field(None, ge=-2, le=2)
     document: StrictStr | None = Field(None, description="polykv: id of a shared document (prefix).")
     ignore_eos: StrictBool | None = Field(False, description="polykv: keep generating past EOS.")
+    speculative: StrictStr | dict[str, Any] | None = Field(
+        None, description='polykv: speculative decoding over the document, {"method": "prompt_lookup" | '
+                          '"suffix_tree", "num_draft_tokens": k} or "method[:k]" (lossless; stats in usage).')
 
 
 class CompletionRequest(_Sampling):

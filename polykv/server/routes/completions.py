@@ -128,11 +128,33 @@ def _check(state: ServerState, body, ids: list[int], chat: bool, default_max: in
     return doc_handle, params
 
 
+def _speculative(body):
+    """The request's SpecConfig: its `speculative` field, else the server default
+    ($POLYKV_SPECULATIVE, set by `polykv serve --speculative`); None for requests without a
+    document (speculation drafts from the document)."""
+    import os
+
+    from ...spec import SpecConfig
+
+    raw = body.speculative
+    if raw is None:
+        raw = os.environ.get("POLYKV_SPECULATIVE") or None
+    if raw is None or body.document is None:
+        return None
+    if isinstance(raw, dict) and ("draft_model" in raw):
+        raise APIError(400, "speculative.draft_model is not available over HTTP", param="speculative",
+                       code="invalid_value")
+    try:
+        return SpecConfig.parse(raw)
+    except (ValueError, TypeError) as exc:
+        raise APIError(400, f"speculative: {exc}", param="speculative", code="invalid_value") from None
+
+
 async def _generate(state: ServerState, request: Request, body, ids: list[int], *, chat: bool, default_max: int):
     doc_handle, params = _check(state, body, ids, chat, default_max)
     rid = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex[:24]
     reqid = request_id(request)
-    req = GenerationRequest(ids, params, document=doc_handle, request_id=rid)
+    req = GenerationRequest(ids, params, document=doc_handle, request_id=rid, speculative=_speculative(body))
     try:
         handle = state.engine.submit(req, loop=asyncio.get_running_loop())
     except TYPED as exc:  # queue full, engine closed, invalid parameters

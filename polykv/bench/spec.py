@@ -1,0 +1,164 @@
+"""`polykv bench spec`: speculative decoding vs plain decoding, same model, same prompts, same run.
+
+Workloads over the bundled document (polykv/data/demo_document.md, ~1.8k tokens with SmolLM2; its
+paragraphs joined into single lines unless `unwrap=False`: the file is hard-wrapped for reading, and
+a model quoting a sentence writes " the" where the file has "\nthe"):
+* quoting    questions whose answers quote the document ("quote the sentence that ...", "list the ...
+             as written"): what prompt lookup is for.
+* freeform   questions answered in the model's own words (a poem, advice, an opinion): little to
+             copy; adaptive draft length must back off to plain decoding.
+
+Per (workload, agents, method): one untimed warm-up of each side, then the plain run and the
+speculative run alternately (`repeats` times each), greedy, the same prompts and max_new_tokens.
+tok_s = new tokens / wall seconds of `pool.generate` (median over repeats), for both sides;
+`identical` = every answer's token ids equal between the two sides (greedy is lossless).
+
+Rows (DESIGN §6): {workload, method, agents, tokens_per_step, acceptance, tok_s, tok_s_baseline,
+speedup, identical, steps, steps_baseline, drafted, accepted, new_tokens, seconds, seconds_baseline}.
+tokens_per_step: tokens emitted per agent per verify forward; steps: batch forwards of the loop.
+`identical` in default numerics compares two different forward shapes (docs/speculative.md: plain
+decoding itself changes answers with the batch size); `row_invariant=True` runs both sides with
+row-invariant linears (`polykv.spec.invariant`), where identity is the test.
+"""
+
+from __future__ import annotations
+
+import platform
+import statistics
+import time
+
+import torch
+
+WORKLOADS = {
+    "quoting": [
+        "Quote, word for word, the sentence of the document that says how long the ferry crossing takes.",
+        "Copy exactly as written the sentences of the document about Kelder Point Lighthouse.",
+        "Quote the sentence that describes the Greyhallow Stones, exactly as it is written.",
+        "List the five settlements of section 3 with their populations, as written in the document.",
+        "Quote verbatim the paragraph about Hesketh from the document.",
+        "Copy the sentence about the island's motto exactly as written.",
+        "Quote word for word the sentences about the great storm of 1893.",
+        "Copy exactly the paragraph of the document that describes the Lantern Walk.",
+        "Quote the sentence about the Sedley Distillery, word for word.",
+        "List, as written in the document, the services described in section 7.",
+        "Quote the document's sentence about Tallow Island Airfield verbatim.",
+        "Copy word for word the first paragraph of the Overview.",
+        "Quote exactly what the document says about the Tallow Museum.",
+        "Copy verbatim the sentences about drinking water and Lough Fennick.",
+        "Quote the sentences of the document about the climate, exactly as written.",
+        "Copy the paragraph on tourism word for word.",
+    ],
+    "freeform": [
+        "Write a short poem about the sea around the island.",
+        "In your own words, why would someone choose to live on a small island?",
+        "Suggest three names for a new cafe in Port Sedley and explain each one.",
+        "Give me advice for a first visit to a windy place in winter.",
+        "Describe an imaginary festival you would like to invent for the island.",
+        "What are the pros and cons of wind power for a small community? Answer briefly.",
+        "Tell a very short story about a lighthouse keeper and a cat.",
+        "Explain to a child what a ferry is.",
+        "What would you pack for a week of hiking? Give a list.",
+        "Invent a recipe that uses herring and explain the steps.",
+        "Why do people enjoy visiting museums? Give your opinion.",
+        "Write a friendly letter inviting a friend to go birdwatching.",
+        "Describe a rainy day in a fishing village with your own imagery.",
+        "What questions would you ask a sheep farmer? List five.",
+        "Imagine the island in a hundred years and describe it.",
+        "Compose a limerick about a seal.",
+    ],
+}
+
+
+def _median(xs):
+    return statistics.median(xs) if xs else 0.0
+
+
+def bench_spec(model, tok, agents=(4,), workloads=("quoting", "freeform"), methods=("prompt_lookup",),
+               num_draft_tokens: int = 4, max_new_tokens: int = 64, repeats: int = 1, k: str = "q8_0",
+               v: str = "turbo3", adaptive: bool = True, document: str | None = None, unwrap: bool = True,
+               row_invariant: bool = False, log=lambda m: None) -> dict:
+    import contextlib
+    import re
+
+    from ..demo import DATA
+    from ..pool import SharedKVPool
+    from ..spec.invariant import row_invariant as _row_invariant
+
+    text = document if document is not None else (DATA / "demo_document.md").read_text(encoding="utf-8")
+    if unwrap:  # the file is hard-wrapped at 100 columns; a wrap ("above\nthe") breaks every quote's match
+        text = re.sub(r"(?<=\S)\n(?=\S)", " ", text)
+    with (_row_invariant(model) if row_invariant else contextlib.nullcontext()):
+        out = _bench(model, tok, text, agents, workloads, methods, num_draft_tokens, max_new_tokens, repeats,
+                     k, v, adaptive, log)
+    return dict(out, unwrap=unwrap, row_invariant=row_invariant)
+
+
+def _bench(model, tok, text, agents, workloads, methods, num_draft_tokens, max_new_tokens, repeats, k, v,
+           adaptive, log) -> dict:
+    from ..pool import SharedKVPool
+
+    dev = next(model.parameters()).device
+    pool = SharedKVPool(model, tok, k=k, v=v)
+    t0 = time.perf_counter()
+    doc = pool.add_document(text, name="demo")
+    prefill_s = time.perf_counter() - t0
+    rows, mismatches = [], []
+
+    def timed(prompts, spec):
+        if dev.type == "cuda":
+            torch.cuda.synchronize()
+        t = time.perf_counter()
+        pool.generate(doc, prompts, max_new_tokens=max_new_tokens, speculative=spec)
+        if dev.type == "cuda":
+            torch.cuda.synchronize()
+        info = pool.last_generate
+        return time.perf_counter() - t, info
+
+    for wl in workloads:
+        qs = WORKLOADS[wl]
+        for n in agents:
+            prompts = [qs[i % len(qs)] for i in range(n)]
+            for method in methods:
+                spec = {"method": method, "num_draft_tokens": num_draft_tokens, "adaptive": adaptive}
+                pool.generate(doc, prompts[:1], max_new_tokens=4)  # warm-up of both paths
+                pool.generate(doc, prompts[:1], max_new_tokens=4, speculative=spec)
+                base_s, spec_s = [], []
+                for _ in range(repeats):
+                    s, base = timed(prompts, None)
+                    base_s.append(s)
+                    s, sp = timed(prompts, spec)
+                    spec_s.append(s)
+                new = sum(base["new_tokens"])
+                same = base["answer_ids"] == sp["answer_ids"]
+                if not same:
+                    mismatches += [dict(workload=wl, agents=n, method=method, prompt=p)
+                                   for p, a, b in zip(prompts, base["answer_ids"], sp["answer_ids"]) if a != b]
+                st = sp["speculative"]
+                row = dict(workload=wl, method=method, agents=n, num_draft_tokens=num_draft_tokens,
+                           tokens_per_step=round(st["tokens_per_step"], 3), acceptance=round(st["acceptance"], 3),
+                           tok_s=new / _median(spec_s), tok_s_baseline=new / _median(base_s),
+                           identical=same, steps=sp["steps"], steps_baseline=base["steps"],
+                           verify_steps=st["steps"], drafted=st["drafted"], accepted=st["accepted"],
+                           new_tokens=new, seconds=_median(spec_s), seconds_baseline=_median(base_s))
+                row["speedup"] = row["tok_s"] / row["tok_s_baseline"] if row["tok_s_baseline"] else 0.0
+                rows.append(row)
+                log(f"{wl:9s} {method:13s} agents {n:3d}: {row['tok_s']:.1f} vs {row['tok_s_baseline']:.1f} tok/s "
+                    f"(x{row['speedup']:.2f}), {row['tokens_per_step']:.2f} tokens/verify step, "
+                    f"acceptance {row['acceptance']:.2f}, identical {same}")
+    return dict(rows=rows, mismatches=mismatches, device=str(dev), machine=_machine(dev),
+                model=getattr(model.config, "_name_or_path", "") or model.config.model_type,
+                doc_tokens=len(pool._docs[doc].ids), max_new_tokens=max_new_tokens, repeats=repeats,
+                k=k, v=v, adaptive=adaptive, prefill_s=prefill_s, torch_threads=torch.get_num_threads(),
+                date=time.strftime("%Y-%m-%d"))
+
+
+def _machine(dev) -> str:
+    if dev.type == "cuda":
+        return torch.cuda.get_device_name(dev)
+    import os
+
+    return f"{platform.processor() or platform.machine()}, {os.cpu_count()} cores"
+
+
+TABLE_COLUMNS = ["workload", "method", "agents", "tokens_per_step", "acceptance", "tok_s", "tok_s_baseline",
+                 "speedup", "identical"]

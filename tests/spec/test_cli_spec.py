@@ -1,0 +1,36 @@
+"""`polykv bench spec` and `polykv demo --speculative` through the real CLI at tiny size (a 2-layer
+random Llama with SmolLM2's tokenizer as a local HF directory)."""
+
+from __future__ import annotations
+
+import json
+
+from tests.test_cli_smoke import finite, run_cli, run_json, tiny_dir  # noqa: F401 (fixture)
+
+
+def test_bench_spec_cpu_smoke_json(tiny_dir, tmp_path):  # noqa: F811
+    out = tmp_path / "spec.json"
+    obj = run_json(["bench", "spec", "--device", "cpu", "--model", tiny_dir, "--agents", "2", "--max-new-tokens", "6",
+                    "--methods", "prompt_lookup,suffix_tree", "--row-invariant", "--out", str(out)])
+    rows = obj["rows"]
+    assert {(r["workload"], r["method"]) for r in rows} == {(w, m) for w in ("quoting", "freeform")
+                                                            for m in ("prompt_lookup", "suffix_tree")}
+    for r in rows:
+        for key in ("tokens_per_step", "acceptance", "tok_s", "tok_s_baseline", "speedup"):
+            assert finite(r[key]), (key, r)
+        assert r["identical"] is True and r["agents"] == 2 and r["tok_s"] > 0
+    assert json.loads(out.read_text())["rows"] == rows
+    assert obj["row_invariant"] is True and obj["device"] == "cpu"
+
+
+def test_bench_spec_refuses_an_unknown_method(tiny_dir):  # noqa: F811
+    res = run_cli(["bench", "spec", "--device", "cpu", "--model", tiny_dir, "--agents", "1", "--max-new-tokens", "2",
+                   "--methods", "telepathy", "--json"], ok=False)
+    assert res.exit_code != 0
+
+
+def test_demo_speculative_json(tiny_dir):  # noqa: F811
+    obj = run_json(["demo", "--agents", "2", "--max-new-tokens", "4", "--model", tiny_dir,
+                    "--speculative", "prompt_lookup:3"])
+    assert obj["agents"] == 2 and len(obj["answers"]) == 2
+    assert {"steps", "drafted", "accepted", "tokens"} <= set(obj["speculative"])

@@ -1,0 +1,67 @@
+"""Speculative requests through the engine and the HTTP server (tiny random model, SmolLM2's
+tokenizer): the same text as without speculation, stats in usage, bad configs refused."""
+
+from __future__ import annotations
+
+import httpx
+import pytest
+
+from polykv.engine import Engine, GenerationRequest, SamplingParams
+from polykv.spec import SpecConfig
+from polykv.spec.invariant import row_invariant
+from tests.engine._models import make_pool, tiny_model
+
+DOC = ("The lighthouse keeper of Varnholm logged every ship that passed the northern cape. "
+       "In the winter of 1911 the logbook records eleven ships, three of them whalers. ") * 3
+
+
+@pytest.fixture(scope="module")
+def tiny():
+    return tiny_model()
+
+
+def _run(engine, doc, prompts, spec, **params):
+    hs = [engine.submit(GenerationRequest(p, SamplingParams(**params), document=doc, speculative=spec))
+          for p in prompts]
+    return [h.result_sync(timeout=120) for h in hs]
+
+
+def test_engine_speculative_matches_plain(tiny):
+    model, tok = tiny
+    pool = make_pool(model, tok)
+    doc = pool.add_document(DOC)
+    prompts = [pool.prompt_ids(doc, q) for q in ("Ships:", "The keeper", "whalers in 1911", "cape")]
+    with row_invariant(model), Engine(pool) as eng:
+        plain = _run(eng, doc, prompts, None, max_tokens=24, temperature=0)
+        spec = _run(eng, doc, prompts, SpecConfig(method="suffix_tree", num_draft_tokens=3, adaptive=False),
+                    max_tokens=24, temperature=0)
+        sampled = _run(eng, doc, prompts, None, max_tokens=16, temperature=0.9, seed=5)
+        sampled_spec = _run(eng, doc, prompts, SpecConfig(num_draft_tokens=2, adaptive=False), max_tokens=16,
+                            temperature=0.9, seed=5)
+    assert [t for t, _, _ in spec] == [t for t, _, _ in plain]
+    assert [u["completion_tokens"] for _, _, u in spec] == [u["completion_tokens"] for _, _, u in plain]
+    stats = [u["speculative"] for _, _, u in spec]
+    assert all(s["method"] == "suffix_tree" for s in stats)
+    assert sum(s["drafted"] for s in stats) > 0 and sum(s["accepted"] for s in stats) > 0
+    assert "speculative" not in plain[0][2]
+    assert [t for t, _, _ in sampled_spec] == [t for t, _, _ in sampled]
+
+
+def test_server_accepts_speculative_and_reports_usage(tiny):
+    from polykv.server import ServerThread, create_app
+
+    model, tok = tiny
+    app = create_app(make_pool(model, tok), model_name="tiny-test")
+    with ServerThread(app) as srv:
+        doc = httpx.post(srv.url + "/v1/documents", json={"text": DOC}, timeout=60).json()
+        body = {"prompt": "Ships:", "max_tokens": 12, "temperature": 0, "document": doc["id"]}
+        plain = httpx.post(srv.url + "/v1/completions", json=body, timeout=60).json()
+        r = httpx.post(srv.url + "/v1/completions", timeout=60,
+                       json=dict(body, speculative={"method": "prompt_lookup", "num_draft_tokens": 3}))
+        assert r.status_code == 200, r.text
+        usage = r.json()["usage"]
+        assert {"drafted", "accepted", "steps", "acceptance"} <= set(usage["speculative"])
+        assert usage["completion_tokens"] == plain["usage"]["completion_tokens"]
+        bad = httpx.post(srv.url + "/v1/completions", timeout=60,
+                         json=dict(body, speculative={"method": "telepathy"}))
+        assert bad.status_code == 400 and bad.json()["error"]["param"] == "speculative"
