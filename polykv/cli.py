@@ -305,15 +305,29 @@ def bench_serve_cmd(
                                       "Retry-After (the server then runs with a budget that fits the good load)."),
     seed: int = typer.Option(0, "--seed", help="Seed of the shuffle of the request classes."),
     out: Optional[str] = typer.Option(None, "--out", help="Also write the JSON result to this file."),
+    use_ray: bool = typer.Option(False, "--ray", help="`polykv serve --ray` instead: the same load over two "
+                                 "documents for each of --configs, one after the other (a local Ray instance)."),
+    configs: str = typer.Option("1x1,1x2,2x1", "--configs", help="--ray: replicas x torch threads per replica, "
+                                "comma-separated."),
     json_out: bool = typer.Option(False, "--json"),
 ):
     """Bounded loopback load: N concurrent streaming clients x M requests over one shared document,
-    optionally with malformed and over-budget requests mixed in (counted per class)."""
+    optionally with malformed and over-budget requests mixed in (counted per class). With --ray: the
+    Ray Serve application with 1 vs 2 replicas over two documents (throughput ratio)."""
     from .bench.serve import bench_serve
 
-    result = bench_serve(n_clients=clients, requests_per_client=requests, max_tokens=max_tokens, model=model,
-                         torch_threads=torch_threads, time_limit_s=time_limit, malformed=malformed,
-                         over_budget=over_budget, seed=seed)
+    if use_ray:
+        from .bench.serve import bench_serve_ray
+
+        if malformed or over_budget:
+            raise typer.BadParameter("--ray runs good requests only (no --malformed / --over-budget)")
+        result = bench_serve_ray(configs=configs, n_clients=clients, requests_per_client=requests,
+                                 max_tokens=max_tokens, model=model, time_limit_s=time_limit, seed=seed,
+                                 log=lambda m: print(m, file=sys.stderr, flush=True))
+    else:
+        result = bench_serve(n_clients=clients, requests_per_client=requests, max_tokens=max_tokens, model=model,
+                             torch_threads=torch_threads, time_limit_s=time_limit, malformed=malformed,
+                             over_budget=over_budget, seed=seed)
     if out:
         with open(out, "w", encoding="utf-8") as f:
             json.dump(result, f, indent=2)

@@ -43,7 +43,7 @@ import random
 import statistics
 import time
 
-__all__ = ["bench_serve", "malformed_cases"]
+__all__ = ["bench_serve", "bench_serve_ray", "malformed_cases"]
 
 DEFAULT_DOC = (
     "Internal memo of the Harbor Street library. The reading room opens at nine and closes at six. "
@@ -145,10 +145,14 @@ class _Tally:
             self.http_5xx += 1
 
 
-async def _load(url: str, doc_id: str, model_name: str, plan: list[list[tuple[str, int]]], max_tokens: int,
-                over_text: str | None, deadline: float, request_timeout: float) -> _Tally:
+async def _load(url: str, doc_id: str | list[str], model_name: str, plan: list[list[tuple[str, int]]],
+                max_tokens: int, over_text: str | None, deadline: float, request_timeout: float) -> _Tally:
+    """Run `plan` against `url`. `doc_id`: the shared document, or several: good request i goes over
+    doc_ids[i % len(doc_ids)] (the same load on each)."""
     import httpx
 
+    doc_ids = [doc_id] if isinstance(doc_id, str) else list(doc_id)
+    doc_id = doc_ids[0]
     t = _Tally()
     cases = malformed_cases(doc_id)
     over_body = json.dumps({"text": over_text, "name": "over-budget"}).encode() if over_text else None
@@ -157,7 +161,7 @@ async def _load(url: str, doc_id: str, model_name: str, plan: list[list[tuple[st
     async with httpx.AsyncClient(base_url=url, timeout=request_timeout, limits=limits) as client:
 
         async def good(i: int) -> None:
-            body = {"model": model_name, "document": doc_id, "max_tokens": max_tokens,
+            body = {"model": model_name, "document": doc_ids[i % len(doc_ids)], "max_tokens": max_tokens,
                     "temperature": 0.7, "top_p": 0.95, "seed": i, "stream": True,
                     "messages": [{"role": "user", "content": QUESTIONS[i % len(QUESTIONS)]}],
                     "stream_options": {"include_usage": True}}
@@ -363,6 +367,201 @@ def bench_serve(n_clients: int = 32, requests_per_client: int = 8, max_tokens: i
         "torch_threads": torch_threads, "started_utc": started,
         "machine": f"{platform.machine()} {os.cpu_count()} cpu, {platform.system()}, "
                    f"python {platform.python_version()}",
+    }
+
+
+SECOND_DOC = (
+    "Timetable note of the Varnholm ferry. The first boat leaves the north pier at seven and the last returns "
+    "at eight in the evening. Bicycles travel free; cars must be booked a day ahead at the harbour office. In "
+    "winter storms the crossing is cancelled and the siren on the breakwater sounds twice. "
+) * 3
+
+
+def _cpu_s(pid: int) -> float | None:
+    """User + system CPU seconds of process `pid` (Linux /proc; None elsewhere or when it is gone)."""
+    try:
+        with open(f"/proc/{pid}/stat", encoding="ascii") as f:
+            fields = f.read().rsplit(")", 1)[1].split()
+        return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+    except (OSError, ValueError, IndexError):
+        return None
+
+
+def _ray_side_pids(exclude: set[int]) -> list[int]:
+    """This process (the load generator) and Ray's processes on this machine (proxy, ingress,
+    controller, GCS, raylet, agents: command lines naming ray), minus `exclude` (the replicas)."""
+    pids = [os.getpid()]
+    try:
+        entries = os.listdir("/proc")
+    except OSError:
+        return pids
+    for e in entries:
+        if not e.isdigit() or int(e) in exclude or int(e) == os.getpid():
+            continue
+        try:
+            with open(f"/proc/{e}/cmdline", "rb") as f:
+                cmd = f.read().replace(b"\0", b" ")
+        except OSError:
+            continue
+        if b"ray::" in cmd or b"/ray/" in cmd:
+            pids.append(int(e))
+    return pids
+
+
+def _machine_busy_s() -> float | None:
+    """CPU seconds the whole machine spent busy (all cores, /proc/stat; None elsewhere)."""
+    try:
+        with open("/proc/stat", encoding="ascii") as f:
+            vals = [int(x) for x in f.readline().split()[1:]]
+        return (sum(vals) - vals[3] - vals[4]) / os.sysconf("SC_CLK_TCK")  # minus idle and iowait
+    except (OSError, ValueError, IndexError):
+        return None
+
+
+def _parse_configs(configs) -> list[tuple[int, int]]:
+    """"1x1,1x2,2x1" (replicas x torch threads per replica) or [(replicas, threads), ...]."""
+    if isinstance(configs, str):
+        out = []
+        for part in configs.split(","):
+            r, _, t = part.strip().partition("x")
+            out.append((int(r), int(t or 1)))
+        configs = out
+    configs = [(int(r), int(t)) for r, t in configs]
+    if not configs or any(r < 1 or t < 1 for r, t in configs):
+        raise ValueError(f"configs are replicas x threads with both >= 1, got {configs}")
+    return configs
+
+
+def bench_serve_ray(configs="1x1,1x2,2x1", n_clients: int = 16, requests_per_client: int = 4,
+                    max_tokens: int = 16, model=None, k: str = "q8_0", v: str = "turbo3",
+                    time_limit_s: float = 600.0, request_timeout_s: float = 600.0, seed: int = 0,
+                    log=None) -> dict:
+    """`polykv serve --ray` on this machine under the same load for each config, one after the other.
+
+    configs: replicas x torch threads per replica ("1x1,1x2,2x1": one replica with one thread, one with
+    two, two with one each); each replica gets `threads` CPUs from Ray. Per config: a local Ray
+    instance (or the running one) with Serve's HTTP proxy on a free loopback port, the application
+    deployed, two documents added (the second add goes to the replica with the fewest documents),
+    one warm-up request per document, then `n_clients` concurrent streaming chat clients x
+    `requests_per_client` requests, alternating the two documents (temperature 0.7, per-request
+    seeds), bounded by `time_limit_s`. Measured per config: completed / lost, tokens/s, latency,
+    where each document lives, prefills and loads, and the CPU seconds spent during the load by each
+    replica process, by this process (the clients) with Ray's own processes (proxy, ingress,
+    controller, GCS, raylet), and by the whole machine (the rest: other users) — what bounds the
+    scaling on a small shared CPU. The application
+    is deleted after each config; Ray is shut down at the end if this call started it.
+    `ratio`: tokens/s of the best multi-replica config over the best single-replica one.
+    """
+    import httpx
+    import ray
+    from ray import serve
+
+    from ..ray import build_app
+    from ..server import free_port
+
+    log = log or (lambda msg: None)
+    configs = _parse_configs(configs)
+    started = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
+    cores = os.cpu_count() or 1
+    own_ray = not ray.is_initialized()
+    if own_ray:
+        ray.init(num_cpus=max(cores, max(r * t for r, t in configs)), include_dashboard=False,
+                 logging_level="ERROR", log_to_driver=False)
+    port = free_port()
+    serve.start(http_options={"host": "127.0.0.1", "port": port})
+    url = f"http://127.0.0.1:{port}"
+    name = str(model or "smollm2-135m")
+    rows = []
+    try:
+        for replicas, threads in configs:
+            log(f"bench serve --ray: {replicas} replica(s) x {threads} thread(s): deploying")
+            serve.run(build_app(replicas=replicas, cpus_per_replica=threads, torch_threads=threads, model=model,
+                                k=k, v=v, max_ongoing_requests=max(32, n_clients)), name="polykv", route_prefix="/")
+            try:
+                rows.append(_ray_round(url, replicas, threads, n_clients, requests_per_client, max_tokens, name,
+                                       time_limit_s, request_timeout_s, seed, log, httpx))
+            finally:
+                serve.delete("polykv")
+    finally:
+        serve.shutdown()
+        if own_ray:
+            ray.shutdown()
+    singles = [r["tok_per_s"] for r in rows if r["replicas"] == 1 and r["tok_per_s"]]
+    multis = [r["tok_per_s"] for r in rows if r["replicas"] > 1 and r["tok_per_s"]]
+    ratio = round(max(multis) / max(singles), 3) if singles and multis else None
+    return {"rows": rows, "ratio": ratio, "clients": n_clients, "requests_per_client": requests_per_client,
+            "max_tokens": max_tokens, "documents": 2, "model": name, "k": k, "v": v, "seed": seed,
+            "lost": sum(r["lost"] for r in rows), "started_utc": started, "cores": cores,
+            "machine": f"{platform.machine()} {cores} cpu, {platform.system()}, python {platform.python_version()}"}
+
+
+def _ray_round(url, replicas, threads, n_clients, per_client, max_tokens, name, time_limit_s, request_timeout_s,
+               seed, log, httpx) -> dict:
+    def health() -> dict:
+        return httpx.get(url + "/health", timeout=60).json()
+
+    def wait(cond, timeout: float = 300.0) -> dict:
+        t_end = time.monotonic() + timeout
+        while True:
+            try:
+                h = health()
+                if cond(h):
+                    return h
+            except (httpx.HTTPError, ValueError, KeyError):
+                pass
+            if time.monotonic() > t_end:
+                raise TimeoutError(f"the application did not reach the expected state in {timeout} s")
+            time.sleep(0.25)
+
+    wait(lambda h: len(h["replicas"]) == replicas)
+    docs = []
+    for i, text in enumerate((DEFAULT_DOC, SECOND_DOC)):
+        r = httpx.post(url + DOCS, json={"text": text, "name": f"bench-{i}"}, timeout=request_timeout_s)
+        r.raise_for_status()
+        did, rep = r.json()["id"], r.headers.get("x-polykv-replica")
+        wait(lambda h: any(did in x["documents"] and x["replica"] == rep for x in h["replicas"]), 60)
+        time.sleep(1.0)  # Serve's routers learn the holder (a push every 0.1 s, then a broadcast)
+        docs.append(did)
+    for did in docs:  # warm-up: each document's first batch
+        httpx.post(url + CHAT, json={"document": did, "max_tokens": 2, "temperature": 0,
+                                     "messages": [{"role": "user", "content": QUESTIONS[0]}]},
+                   timeout=request_timeout_s).raise_for_status()
+    h0 = health()
+    pids = {x["replica"]: x["pid"] for x in h0["replicas"]}
+    cpu0 = {rid: _cpu_s(pid) for rid, pid in pids.items()}
+    side = _ray_side_pids(set(pids.values()))
+    side0 = {pid: _cpu_s(pid) for pid in side}
+    busy0 = _machine_busy_s()
+    load0 = os.getloadavg()[0] if hasattr(os, "getloadavg") else None
+    plan = _plan(n_clients, per_client, 0.0, 0.0, 1, seed)
+    log(f"bench serve --ray: {replicas} x {threads}: load of {n_clients} clients x {per_client} requests")
+    t0 = time.monotonic()
+    t = asyncio.run(_load(url, docs, name, plan, max_tokens, None, t0 + time_limit_s, request_timeout_s))
+    wall = time.monotonic() - t0
+    busy = _machine_busy_s()
+    side_cpu = sum(max(0.0, (_cpu_s(pid) or 0.0) - c0) for pid, c0 in side0.items() if c0 is not None)
+    h1 = health()
+    cpu = {rid: (None if cpu0.get(rid) is None or _cpu_s(pid) is None else round(_cpu_s(pid) - cpu0[rid], 2))
+           for rid, pid in pids.items()}
+    planned = n_clients * per_client
+    return {
+        "replicas": replicas, "torch_threads": threads, "requests": planned, "completed": t.completed,
+        "errors": len(t.good_errors), "lost": planned - t.answered["good"], "error_samples": t.good_errors[:3],
+        "lost_samples": t.lost_samples[:3], "completion_tokens": t.tokens, "wall_s": round(wall, 3),
+        "tok_per_s": round(t.tokens / wall, 2) if wall else None,
+        "req_per_s": round(t.completed / wall, 3) if wall else None,
+        "latency_p50_s": _r(_pct(t.lat, 50)), "latency_p99_s": _r(_pct(t.lat, 99)),
+        "ttft_p50_s": _r(_pct(t.ttft, 50)), "ttft_p99_s": _r(_pct(t.ttft, 99)),
+        "placement": {x["replica"]: x["documents"] for x in h1["replicas"]},
+        "requests_by_replica": {x["replica"]: x["requests"] - next((y["requests"] for y in h0["replicas"]
+                                                                   if y["replica"] == x["replica"]), 0)
+                                for x in h1["replicas"]},
+        "prefills": h1["prefills"], "loads": h1["loads"], "retries": h1["retries"],
+        "replica_cpu_s": cpu,
+        "ray_and_client_cpu_s": round(side_cpu, 2),
+        "machine_busy_cpu_s": None if busy is None or busy0 is None else round(busy - busy0, 2),
+        "machine_cpu_capacity_s": round(wall * (os.cpu_count() or 1), 2),
+        "loadavg_1m_before_after": [load0, os.getloadavg()[0] if hasattr(os, "getloadavg") else None],
     }
 
 
