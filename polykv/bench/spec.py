@@ -16,6 +16,7 @@ tok_s = new tokens / wall seconds of `pool.generate` (median over repeats), for 
 Rows (DESIGN §6): {workload, method, agents, tokens_per_step, acceptance, tok_s, tok_s_baseline,
 speedup, identical, steps, steps_baseline, drafted, accepted, new_tokens, seconds, seconds_baseline}.
 tokens_per_step: tokens emitted per agent per verify forward; steps: batch forwards of the loop.
+The document's outputs tree (`suffix_tree`) is emptied before every run.
 `identical` in default numerics compares two different forward shapes (docs/speculative.md: plain
 decoding itself changes answers with the batch size); `row_invariant=True` runs both sides with
 row-invariant linears (`polykv.spec.invariant`), where identity is the test.
@@ -105,6 +106,9 @@ def _bench(model, tok, text, agents, workloads, methods, num_draft_tokens, max_n
     rows, mismatches = [], []
 
     def timed(prompts, spec):
+        # the outputs tree starts empty for every run: it would otherwise hold the very answers of
+        # the previous runs of the same prompts (here they repeat; a deployment sees new questions)
+        pool._docs[doc].outputs = None
         if dev.type == "cuda":
             torch.cuda.synchronize()
         t = time.perf_counter()
@@ -120,8 +124,8 @@ def _bench(model, tok, text, agents, workloads, methods, num_draft_tokens, max_n
             prompts = [qs[i % len(qs)] for i in range(n)]
             for method in methods:
                 spec = {"method": method, "num_draft_tokens": num_draft_tokens, "adaptive": adaptive}
-                pool.generate(doc, prompts[:1], max_new_tokens=4)  # warm-up of both paths
-                pool.generate(doc, prompts[:1], max_new_tokens=4, speculative=spec)
+                timed(prompts[:1], None)  # warm-up of both paths
+                timed(prompts[:1], spec)
                 base_s, spec_s = [], []
                 for _ in range(repeats):
                     s, base = timed(prompts, None)
