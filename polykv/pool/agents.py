@@ -297,8 +297,11 @@ class AgentBatch:
         column (+ greedy ids from a captured step, else None); keep > 0: logits [G, keep, vocab] of
         the last `keep` columns (verification)."""
         n_q = max(len(a.pending) for a in group)
-        if not keep and n_q == 1 and self._graphs is not None and all(a.slot == g for g, a in enumerate(group)):
-            return self._graphs.run([a.pending[0] for a in group])
+        if self._graphs is not None and all(a.slot == g for g, a in enumerate(group)):
+            if not keep and n_q == 1:
+                return self._graphs.run([a.pending[0] for a in group])
+            if keep:  # a verification step: captured per (bucket, power-of-two width)
+                return self._graphs.run_columns([a.pending for a in group], keep), None
         model = self.pool.model
         counts = [len(a.pending) for a in group]
         ids = torch.full((len(group), n_q), self.pool._pad_id, dtype=torch.long)

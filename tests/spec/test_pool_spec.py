@@ -174,3 +174,32 @@ def test_ngram_index_is_persisted_and_rebuilt(tmp_path):
         assert "doc.0.ngram" not in f.keys()
     again = SharedKVPool.load(tmp_path / "b", model, tok)
     assert torch.equal(again._docs[doc].ngram.sa, sa)
+
+
+def test_verify_step_through_the_static_graph_matches_eager(setup):
+    """With captured steps (DecodeGraphs, run eagerly on CPU), a verification forward goes through
+    run_columns: the same logits per real column as the eager left-padded forward, the same lengths."""
+    from polykv.pool.decode_graph import DecodeGraphs
+
+    model, pool, doc = setup
+    sufs, drafts = [[5, 6, 7], [8], [9, 10]], [[11, 12, 13], [], [14]]
+    out = []
+    for static in (False, True):
+        with pool.open_batch(doc, capacity=4) as b:
+            if static:
+                b._graphs = DecodeGraphs(model, b.cache, pool._pad_id, capture=False)
+            aids = [b.add(s) for s in sufs]
+            b.step()
+            b.feed({a: 20 + i for i, a in enumerate(aids)})
+            group = [b._get(a) for a in aids]
+            for a, d in zip(group, drafts):
+                a.pending.extend(d)
+            logits, _ = b._forward(group, keep=4)
+            if static:
+                assert set(k for k in b._graphs._graphs if k[1] > 1) == {(4, 4)}
+            out.append((logits.float(), b.cache.lens[:3].clone()))
+    (le, ne), (ls, ns) = out
+    assert torch.equal(ne, ns)
+    for g, d in enumerate(drafts):
+        real = slice(4 - len(d) - 1, 4)
+        torch.testing.assert_close(ls[g, real], le[g, real], rtol=1e-4, atol=1e-4)
