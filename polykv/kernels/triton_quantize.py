@@ -212,7 +212,8 @@ def quantize_into_triton(dst: Packed, x: torch.Tensor, codec, positions: torch.T
     scl = innerq.to(device=dev, dtype=torch.float32).contiguous() if innerq is not None else dummy
     turbo = meta["KIND"] == 3
     if block_t is None:  # H200 sweep (docs/kernels_notes.md, quantize): 128-row turbo tiles on 8 warps
-        block_t = (min(128, max(16, triton.next_power_of_2(T))) if turbo else (32 if T >= 32 else 16))
+        # (at most 128 x 128 values a tile: D = 256 at 128 rows needed 240 KB of shared memory)
+        block_t = (min(16384 // D, max(16, triton.next_power_of_2(T))) if turbo else (32 if T >= 32 else 16))
     n_tiles = triton.cdiv(T, block_t)
     if programs_per_sm is None:
         programs_per_sm = 4 if turbo else 0

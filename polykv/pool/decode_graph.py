@@ -97,6 +97,9 @@ class DecodeGraphs:
         cache.grow_storage()  # the pools follow the pages ensure added
         if cache.storage_version != self._version:
             self._graphs.clear()
+            # the dropped graphs' private pool is released with them; capturing into its id again
+            # trips the allocator (H200: "use_count > 0" assert): new captures take a new pool
+            self._mempool = None
             self._version = cache.storage_version
         pages.device_table()  # refreshed in place before the replay reads it
         cap = self._graphs.get((B, n_q)) or self._capture(B, n_q)
