@@ -1,7 +1,9 @@
 """`polykv serve --ray` on a local Ray instance (2 CPUs, 2 replicas of the embedded SmolLM2 on CPU).
 
 One application for the whole module (starting Ray, Serve and two model replicas takes ~30 s on
-two cores); the tests run in file order and the two replica kills come last. Every test is in the
+two cores); the tests run in file order and the two replica kills come last. A test takes the
+documents earlier tests added through `_ensure`, which adds them again to a cluster that
+pytest-xdist rebuilt between two batches of this group. Every test is in the
 xdist group "ray" (`make test` runs `--dist loadgroup`), so one worker owns the Ray instance.
 """
 
@@ -82,6 +84,12 @@ def _add(cluster, name: str, text: str) -> tuple[str, str]:
     return doc, rep
 
 
+def _ensure(cluster, name: str, text: str) -> tuple[str, str]:
+    """The document an earlier test added, or add it now: pytest-xdist may tear the module's cluster
+    down between two batches of this group and build a fresh one (seen in `make test`)."""
+    return cluster["docs"].get(name) or _add(cluster, name, text)
+
+
 async def _many(url: str, bodies: list[dict], path: str = "/v1/chat/completions") -> list[httpx.Response]:
     async with httpx.AsyncClient(base_url=url, timeout=300) as c:
         return await asyncio.gather(*(c.post(path, json=b) for b in bodies))
@@ -102,7 +110,7 @@ def test_health_lists_replicas_and_their_documents(cluster):
 
 def test_same_api_as_polykv_serve(cluster):
     """Answers come from the replica's `polykv.server` app: the OpenAI shapes and error codes."""
-    url, (doc, _) = cluster["url"], cluster["docs"]["a"]
+    url, (doc, _) = cluster["url"], _ensure(cluster, "a", DOC_A)
     r = httpx.post(url + "/v1/completions", json={"document": doc, "prompt": "How many?", "max_tokens": 2,
                                                    "temperature": 0}, timeout=120)
     assert r.status_code == 200 and r.json()["object"] == "text_completion" and r.json()["usage"]["completion_tokens"] == 2
@@ -127,7 +135,7 @@ def test_same_api_as_polykv_serve(cluster):
 
 
 def test_affinity_requests_go_to_the_replica_holding_the_document(cluster):
-    doc_a, rep_a = cluster["docs"]["a"]
+    doc_a, rep_a = _ensure(cluster, "a", DOC_A)
     doc_b, rep_b = _add(cluster, "b", DOC_B)
     assert rep_b != rep_a, "a new document goes to the replica with the fewest documents"
     for doc, rep in ((doc_a, rep_a), (doc_b, rep_b)):
@@ -140,7 +148,7 @@ def test_affinity_requests_go_to_the_replica_holding_the_document(cluster):
 
 @pytest.mark.slow
 def test_hot_document_spreads_to_a_second_replica_without_a_second_prefill(cluster):
-    doc_a, rep_a = cluster["docs"]["a"]
+    doc_a, rep_a = _ensure(cluster, "a", DOC_A)
     before = _health(cluster["url"])
     responses = asyncio.run(_many(cluster["url"], [_chat(doc_a, q=f"Question {i}?") for i in range(16)]))
     assert all(r.status_code == 200 for r in responses), [r.text for r in responses if r.status_code != 200]
@@ -186,8 +194,8 @@ def _kill(cluster, replica_id: str) -> None:
 @pytest.mark.slow
 def test_replica_killed_under_load_loses_no_request_and_is_replaced(cluster):
     url = cluster["url"]
-    doc_a, _ = cluster["docs"]["a"]
-    doc_b, _ = cluster["docs"]["b"]
+    doc_a, _ = _ensure(cluster, "a", DOC_A)
+    doc_b, _ = _ensure(cluster, "b", DOC_B)
     victim = sorted(cluster["replicas0"])[0]
     bodies = [_chat(doc_a if i % 2 else doc_b, q=f"Question {i}?", max_tokens=4) for i in range(32)]
 
@@ -208,7 +216,7 @@ def test_replica_killed_under_load_loses_no_request_and_is_replaced(cluster):
 
 @pytest.mark.slow
 def test_stream_cut_by_a_dead_replica_ends_with_an_error_event(cluster):
-    doc_a, _ = cluster["docs"]["a"]
+    doc_a, _ = _ensure(cluster, "a", DOC_A)
     url = cluster["url"]
     with httpx.stream("POST", url + "/v1/chat/completions",
                       json=_chat(doc_a, stream=True, max_tokens=400, ignore_eos=True), timeout=120) as s:
