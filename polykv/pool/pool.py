@@ -574,7 +574,10 @@ class SharedKVPool:
                 if spec is None:
                     chosen = {a: [t] for a, t in batch.step_tokens().items()}
                 else:
+                    t_step = time.perf_counter()
                     chosen = batch.step_verify()
+                    if steps:  # decode steps only (the first step prefills the prompts)
+                        spec.observe_step(max(drafted.values(), default=0), time.perf_counter() - t_step)
                     spec.step_done(any(drafted.values()))
                 steps += 1
                 feed, drafts = {}, {}

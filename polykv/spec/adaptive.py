@@ -17,7 +17,10 @@ a successful one resets it.
 
 from __future__ import annotations
 
-__all__ = ["AdaptiveLength", "expected_tokens"]
+import statistics
+from collections import deque
+
+__all__ = ["AdaptiveLength", "StepCost", "expected_tokens"]
 
 
 def expected_tokens(a: float, k: int) -> float:
@@ -75,3 +78,39 @@ class AdaptiveLength:
             self.wait = self.probe
         else:
             self.probe = self.probe0
+
+
+class StepCost:
+    """The cost of one draft column, in decode steps, measured from the batch's own timed steps.
+
+    A batch step whose widest agent verifies w drafts (w = 0: a plain decode step) takes about
+    T(w) = t0 + s·w seconds, so c = s / t0 is what `AdaptiveLength` needs. On a CPU a column is
+    compute (measured 0.1-0.3 with SmolLM2 on 2 cores, depending on the workload's draft lengths);
+    on a GPU it is nearly free. The fit is least squares over the last `window` steps, after
+    dropping steps slower than 3x the median (a first replay's graph capture, a stall); until it
+    has 4 steps of at least 2 widths, or when the fit is degenerate, the `prior` is used."""
+
+    def __init__(self, prior: float, window: int = 24):
+        self.prior = float(prior)
+        self.obs: deque = deque(maxlen=int(window))
+
+    def observe(self, width: int, seconds: float) -> None:
+        self.obs.append((int(width), float(seconds)))
+
+    @property
+    def cost_per_draft(self) -> float:
+        if len(self.obs) < 4:
+            return self.prior
+        med = statistics.median(t for _, t in self.obs)
+        pts = [(w, t) for w, t in self.obs if t <= 3 * med]
+        ws = [w for w, _ in pts]
+        if len(set(ws)) < 2:
+            return self.prior
+        n, mw, mt = len(pts), sum(ws) / len(pts), sum(t for _, t in pts) / len(pts)
+        var = sum((w - mw) ** 2 for w in ws)
+        slope = sum((w - mw) * (t - mt) for w, t in pts) / var
+        t0 = mt - slope * mw
+        if t0 <= 0:
+            return self.prior
+        return min(2.0, max(0.0, slope / t0))
+

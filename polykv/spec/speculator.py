@@ -17,7 +17,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from .adaptive import AdaptiveLength
+from .adaptive import AdaptiveLength, StepCost
 from .drafters import DraftModel, NgramIndex, PromptLookup, SuffixTree, SuffixTreeDrafter
 
 __all__ = ["METHODS", "SpecConfig", "Speculator", "DEFAULT_COST_PER_DRAFT"]
@@ -85,6 +85,9 @@ class Speculator:
     def __init__(self, index: NgramIndex | None = None, tree: SuffixTree | None = None, device_type: str = "cpu"):
         self.index, self.tree, self.device_type = index, tree, device_type
         self._agents: dict = {}
+        prior = DEFAULT_COST_PER_DRAFT.get(device_type, DEFAULT_COST_PER_DRAFT["cpu"])
+        self.step_cost = StepCost(prior)  # measured from `observe_step`; agents without a set cost use it
+        self._measured: set = set()
         self.steps = self.drafted = self.accepted = self.tokens = self.agent_steps = 0
 
     def add(self, key, prompt_ids: list[int], config: SpecConfig) -> None:
@@ -97,9 +100,10 @@ class Speculator:
             dm = config.draft_model
             drafter = dm if isinstance(dm, DraftModel) else DraftModel(dm, list(self.index.ids) if self.index else [])
         cost = config.cost_per_draft
+        length = AdaptiveLength(config.num_draft_tokens, fixed=not config.adaptive,
+                                cost_per_draft=self.step_cost.cost_per_draft if cost is None else cost)
         if cost is None:
-            cost = DEFAULT_COST_PER_DRAFT.get(self.device_type, DEFAULT_COST_PER_DRAFT["cpu"])
-        length = AdaptiveLength(config.num_draft_tokens, cost_per_draft=cost, fixed=not config.adaptive)
+            self._measured.add(key)  # follows `observe_step`
         handle = self.tree.start() if self.tree is not None else None
         self._agents[key] = _AgentSpec([int(t) for t in prompt_ids], drafter, length, handle, key)
 
@@ -138,12 +142,21 @@ class Speculator:
             self.tokens += len(emitted)
             self.agent_steps += 1
 
+    def observe_step(self, width: int, seconds: float) -> None:
+        """A timed batch decode step whose widest agent verified `width` drafts (0: plain); agents
+        whose config left cost_per_draft unset draft by the cost measured so far (`StepCost`)."""
+        self.step_cost.observe(width, seconds)
+        c = self.step_cost.cost_per_draft
+        for key in self._measured:
+            self._agents[key].length.cost = c
+
     def step_done(self, verified: bool) -> None:
         """One batch step ran; `verified`: it had a verify forward."""
         if verified:
             self.steps += 1
 
     def remove(self, key) -> None:
+        self._measured.discard(key)
         st = self._agents.pop(key, None)
         if st is not None and isinstance(st.drafter, DraftModel):
             st.drafter.forget(key)
@@ -151,8 +164,11 @@ class Speculator:
     def stats(self) -> dict:
         """steps: verify forwards; drafted / accepted: draft tokens verified / accepted; tokens:
         tokens emitted by agents in verify forwards; agent_steps: (agent, verify forward) pairs;
-        tokens_per_step = tokens / agent_steps; acceptance = accepted / drafted."""
+        tokens_per_step = tokens / agent_steps; acceptance = accepted / drafted; cost_per_draft: the
+        draft-column cost the adaptive length used last (`StepCost`), timed_widths: the widths of the
+        timed steps it was fitted on."""
         return dict(steps=self.steps, drafted=self.drafted, accepted=self.accepted, tokens=self.tokens,
-                    agent_steps=self.agent_steps,
+                    agent_steps=self.agent_steps, cost_per_draft=self.step_cost.cost_per_draft,
+                    timed_widths=sorted({w for w, _ in self.step_cost.obs}),
                     tokens_per_step=self.tokens / self.agent_steps if self.agent_steps else 0.0,
                     acceptance=self.accepted / self.drafted if self.drafted else 0.0)

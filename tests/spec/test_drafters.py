@@ -165,3 +165,33 @@ def test_spec_config_parse():
     for bad in ({"method": "nope"}, {"num_draft_tokens": 0}, {"bogus": 1}, "prompt_lookup:99"):
         with pytest.raises(ValueError):
             SpecConfig.parse(bad)
+
+
+def test_step_cost_fits_the_measured_steps_and_drives_the_agents():
+    from polykv.spec import Speculator
+    from polykv.spec.adaptive import StepCost
+
+    sc = StepCost(prior=0.1)
+    assert sc.cost_per_draft == 0.1
+    for w, t in [(0, 1.0), (4, 2.2), (2, 1.6), (4, 2.2), (1, 1.3), (3, 1.9)]:  # T(w) = 1 + 0.3 w
+        sc.observe(w, t)
+    assert sc.cost_per_draft == pytest.approx(0.3)
+    sc.observe(2, 50.0)  # a graph capture: dropped as an outlier
+    assert sc.cost_per_draft == pytest.approx(0.3)
+    one = StepCost(prior=0.1)
+    for _ in range(6):
+        one.observe(4, 2.0)  # a single width: no slope to fit
+    assert one.cost_per_draft == 0.1
+    # a Speculator's agents with no cost of their own draft by the measured one: at acceptance 0.5
+    # the measured c = 0.5 makes shorter drafts pay than the prior 0.1 did
+    spec = Speculator(None, None, "cpu")
+    spec.add("a", [1, 2, 3], SpecConfig("prompt_lookup", 4))
+    spec.add("b", [1, 2, 3], SpecConfig("prompt_lookup", 4, cost_per_draft=0.1))
+    for key in ("a", "b"):
+        spec._agents[key].length.acc, spec._agents[key].length.rej = 5.0, 5.0
+    before = spec._agents["a"].length.best_k()
+    for w, t in [(0, 1.0), (4, 3.0), (2, 2.0), (4, 3.0), (1, 1.5)]:  # c = 0.5
+        spec.observe_step(w, t)
+    assert spec._agents["a"].length.cost == pytest.approx(0.5)
+    assert spec._agents["b"].length.cost == 0.1  # a cost set in the config stays
+    assert spec._agents["a"].length.best_k() < before

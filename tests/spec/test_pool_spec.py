@@ -36,6 +36,8 @@ def test_greedy_is_token_identical(setup, method):
     assert st["steps"] < pool.last_generate["steps"] + 1
     assert {"steps", "drafted", "accepted", "tokens"} <= set(st)
     assert st["tokens"] == st["accepted"] + st["agent_steps"]
+    # the decode steps were timed with their draft width (the adaptive length's measured cost)
+    assert 0 < max(st["timed_widths"]) <= 4 and st["cost_per_draft"] >= 0
 
 
 def test_seeded_sampling_is_token_identical(setup):
