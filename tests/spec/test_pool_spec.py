@@ -187,7 +187,7 @@ def test_verify_step_through_the_static_graph_matches_eager(setup):
     sufs, drafts = [[5, 6, 7], [8], [9, 10]], [[11, 12, 13], [], [14]]
     out = []
     for static in (False, True):
-        with pool.open_batch(doc, capacity=4) as b:
+        with pool.open_batch(doc, capacity=4) as b, torch.no_grad():  # _forward is step_verify's, without its no_grad
             if static:
                 b._graphs = DecodeGraphs(model, b.cache, pool._pad_id, capture=False)
             aids = [b.add(s) for s in sufs]
