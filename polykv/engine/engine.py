@@ -553,6 +553,11 @@ class Engine:
             batch = self._batches.get(key)
             if batch is None or len(batch) == 0:
                 continue
+            spec = self._specs.get(key)
+            if spec is not None:  # a decode step (no prompt prefilled in it) prices draft columns
+                mine = [st for (k, _), st in self._live.items() if k == key]
+                timed = all(st.tokens for st in mine)
+                width = max((st.drafted for st in mine), default=0)
             t0 = time.perf_counter()
             try:
                 logits = self._step_batch(key, batch)
@@ -565,6 +570,8 @@ class Engine:
                 if batch is None:
                     continue
             dt = time.perf_counter() - t0
+            if spec is not None and timed:
+                spec.observe_step(width, dt)
             self.steps += 1
             self.last_step_s = dt
             if self.on_step is not None:

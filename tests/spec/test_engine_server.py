@@ -65,3 +65,23 @@ def test_server_accepts_speculative_and_reports_usage(tiny):
         bad = httpx.post(srv.url + "/v1/completions", timeout=60,
                          json=dict(body, speculative={"method": "telepathy"}))
         assert bad.status_code == 400 and bad.json()["error"]["param"] == "speculative"
+
+
+def test_engine_prices_draft_columns_from_its_decode_steps(tiny, monkeypatch):
+    """The engine feeds each speculating batch's decode steps (never a step that prefilled a prompt)
+    with their draft width to the batch's Speculator (`StepCost`)."""
+    from polykv.spec import Speculator
+
+    model, tok = tiny
+    pool = make_pool(model, tok)
+    doc = pool.add_document(DOC)
+    prompts = [pool.prompt_ids(doc, q) for q in ("Ships:", "The keeper")]
+    seen = []
+    observe = Speculator.observe_step
+    monkeypatch.setattr(Speculator, "observe_step", lambda self, w, s: (seen.append((w, s)), observe(self, w, s)))
+    with Engine(pool) as eng:
+        _run(eng, doc, prompts, SpecConfig(method="suffix_tree", num_draft_tokens=3, adaptive=False),
+             max_tokens=16, temperature=0)
+        steps = eng.steps
+    assert seen and max(w for w, _ in seen) > 0 and all(s > 0 for _, s in seen)
+    assert len(seen) < steps  # the prompt prefill step is not timed
