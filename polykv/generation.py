@@ -171,11 +171,23 @@ class SamplingRows:
                greedy_ids: torch.Tensor | None = None) -> torch.Tensor:
         """`choose_tokens` for `rows` (a slice, or an int64 index tensor on the device, of slots in
         the order of logits' rows); advances those rows' token counters."""
-        f, i = self.f[rows], self.i[rows]
-        ids = choose_tokens(logits, f[:, 0], f[:, 1], i[:, 0], i[:, 1], i[:, 2], i[:, 3], filtered=filtered,
-                            greedy_ids=greedy_ids)
-        self.i[rows, 3] += 1
+        ids = self.draw(logits, rows, filtered=filtered, greedy_ids=greedy_ids)
+        self.advance(rows)
         return ids
+
+    def draw(self, logits: torch.Tensor, rows, offsets: torch.Tensor | None = None, *, filtered: bool = True,
+             greedy_ids: torch.Tensor | None = None) -> torch.Tensor:
+        """`choose_tokens` for `rows` (as in `choose`; a slot may repeat) at token index = the slot's
+        counter + offsets (int64, one per row; speculative verification draws several columns of one
+        slot). The counters are left as they are (`advance`)."""
+        f, i = self.f[rows], self.i[rows]
+        index = i[:, 3] if offsets is None else i[:, 3] + offsets
+        return choose_tokens(logits, f[:, 0], f[:, 1], i[:, 0], i[:, 1], i[:, 2], index, filtered=filtered,
+                             greedy_ids=greedy_ids)
+
+    def advance(self, rows, by: torch.Tensor | int = 1) -> None:
+        """Move the token counters of `rows` (distinct slots) on by `by` tokens."""
+        self.i[rows, 3] += by
 
 
 @dataclass

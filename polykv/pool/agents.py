@@ -219,8 +219,6 @@ class AgentBatch:
         accepted drafts + the token after them for one with drafts (module doc); the rows of its
         rejected drafts are rolled back and its sampling counter advances by the emitted count. One
         device-to-host copy of the chosen ids per forward."""
-        from ..generation import choose_tokens
-
         self._check_open()
         # one forward for the drafting agents and the plain decoders (one pending token) beside
         # them: a second forward would cost the whole weight read and prefix pass again
@@ -244,11 +242,9 @@ class AgentBatch:
         drawn = [a.sampling is not None and a.sampling[0] for a in verifiers]
         if any(drawn):
             slots = torch.tensor([verifiers[c[0]].slot for c in cols], dtype=torch.long, device=dev)
-            f, i = self._rows.f[slots], self._rows.i[slots]
             offset = torch.tensor([c[2] for c in cols], dtype=torch.long, device=dev)
             filtered = any(a.sampling[1] for a, d in zip(verifiers, drawn) if d)
-            sampled = choose_tokens(flat, f[:, 0], f[:, 1], i[:, 0], i[:, 1], i[:, 2], i[:, 3] + offset,
-                                    filtered=filtered, greedy_ids=ids)
+            sampled = self._rows.draw(flat, slots, offset, filtered=filtered, greedy_ids=ids)
             mask = torch.tensor([drawn[c[0]] for c in cols], device=dev)
             ids = torch.where(mask, sampled, ids)
         chosen = _to_host(ids)
@@ -270,7 +266,7 @@ class AgentBatch:
             advance.append(m + 1)
         if any(drawn):
             slots = torch.tensor([a.slot for a in verifiers], dtype=torch.long, device=dev)
-            self._rows.i[slots, 3] += torch.tensor(advance, dtype=torch.long, device=dev)
+            self._rows.advance(slots, torch.tensor(advance, dtype=torch.long, device=dev))
         self.peak_bytes = max(self.peak_bytes, self.cache.nbytes())
         return out
 
