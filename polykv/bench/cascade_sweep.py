@@ -1,5 +1,7 @@
 """Sweep launch configurations of the cascade (shared compressed prefix + per-agent suffixes) at one
-context length (GPU): CUDA-graph replay time per config and agent count, best first.
+context length (GPU): CUDA-graph replay time per config and agent count, best first, each config's
+output checked against the torch reference on the same packed data (rel. error in the JSON), and
+the fp16 dense cascade (bench.attention.dense_cascade) timed once per agent count in the same run.
 
     PYTHONPATH=. python3 polykv/bench/cascade_sweep.py [--ctx 32768] [--agents 8,32,64]
 
@@ -18,14 +20,44 @@ from polykv.bench.attention import bench_one
 
 CONFIGS = [
     {},  # the defaults
-    dict(prefix_block_m=128, num_warps=8),
-    dict(prefix_block_m=64, block_n=128),
-    dict(prefix_block_m=64, num_stages=3),
-    dict(prefix_block_m=32),
-    dict(prefix_block_m=64, target_programs_mult=2),
-    dict(prefix_block_m=64, target_programs_mult=0.5),
-    dict(prefix_block_m=128, num_warps=4, block_n=32),
+    dict(prefix_tune=dict(prefetch=2)),
+    dict(prefix_tune=dict(prefetch=0)),
+    dict(prefix_tune=dict(prefetch=0, num_stages=2)),  # the defaults before v9
+    dict(prefix_tune=dict(prefetch=2, maxnreg=168)),
 ]
+
+
+def check_error(ctx: int, agents: int, k: str, v: str, tune: dict, suffix: int = 64) -> float:
+    """rel. error of the cascade under `tune` vs cascade_attention_ref, same packed data."""
+    from polykv.codecs import get_codec
+    from polykv.kernels import cascade_attention, cascade_attention_ref
+
+    g = torch.Generator(device="cuda").manual_seed(7)
+    kc, vc = get_codec(k, 128), get_codec(v, 128)
+
+    def rnd(*shape):
+        return torch.randn(*shape, device="cuda", generator=g, dtype=torch.float16)
+
+    pk, pv = kc.encode(rnd(1, 8, ctx, 128)), vc.encode(rnd(1, 8, ctx, 128))
+    sk, sv = kc.encode(rnd(agents, 8, suffix, 128)), vc.encode(rnd(agents, 8, suffix, 128))
+    sl = torch.full((agents,), suffix, dtype=torch.int32, device="cuda")
+    q = rnd(agents, 32, 1, 128)
+    out, _ = cascade_attention(q, pk, pv, sk, sv, sl, kc, vc, **tune)
+    ref, _ = cascade_attention_ref(q, pk, pv, sk, sv, sl, kc, vc)
+    a, b = out.double(), ref.double()
+    return float((a - b).norm() / b.norm())
+
+
+def _resolve(cfg: dict) -> dict:
+    """target_programs_mult (in cfg or its prefix_tune) -> target_programs for this GPU."""
+    from polykv.kernels.triton_decode import num_programs_target
+
+    tune = {k: (dict(v) if isinstance(v, dict) else v) for k, v in cfg.items()}
+    for d in (tune, tune.get("prefix_tune") or {}):
+        mult = d.pop("target_programs_mult", None)
+        if mult:
+            d["target_programs"] = int(num_programs_target(torch.device("cuda")) * mult)
+    return tune
 
 
 def main() -> None:
@@ -38,20 +70,22 @@ def main() -> None:
     args = ap.parse_args()
     rows = []
     for n in [int(a) for a in args.agents.split(",")]:
-        for cfg in CONFIGS:
-            tune = dict(cfg)
-            mult = tune.pop("target_programs_mult", None)
-            if mult:
-                from polykv.kernels.triton_decode import num_programs_target
-
-                tune["target_programs"] = int(num_programs_target(torch.device("cuda")) * mult)
+        for i, cfg in enumerate(CONFIGS):
+            tune = _resolve(cfg)
             try:
-                r = bench_one(args.ctx, n, args.k, args.v, suffix=64, sdpa=False, tune=tune)
+                r = bench_one(args.ctx, n, args.k, args.v, suffix=64, sdpa=i == 0, tune=tune)
+                err = check_error(args.ctx, n, args.k, args.v, tune)
             except Exception as e:  # noqa: BLE001 - a config that does not build is a result too
                 rows.append(dict(agents=n, cfg=cfg, error=repr(e)[:300]))
+                print(f"agents {n:3d} {str(cfg):60s} FAILED {e!r}"[:300], flush=True)
                 continue
-            rows.append(dict(agents=n, cfg=cfg, us=r["ms"] * 1e3))
-            print(f"agents {n:3d} {str(cfg):60s} {r['ms'] * 1e3:8.1f} us", flush=True)
+            row = dict(agents=n, cfg=cfg, us=r["ms"] * 1e3, rel_err=err)
+            if r.get("ms_dense_cascade"):
+                row["us_dense_cascade"] = r["ms_dense_cascade"] * 1e3
+                print(f"agents {n:3d} fp16 dense cascade {row['us_dense_cascade']:8.1f} us")
+            rows.append(row)
+            print(f"agents {n:3d} {str(cfg):60s} {r['ms'] * 1e3:8.1f} us  rel.err {err:.2e}",
+                  flush=True)
     with open(os.path.join(args.out, "cascade_sweep.json"), "w") as f:
         json.dump(rows, f, indent=1)
     for n in sorted({r["agents"] for r in rows}):

@@ -15,6 +15,7 @@ import math
 import torch
 import triton
 import triton.language as tl
+from triton.runtime.errors import OutOfResources
 
 from ..codecs import Packed, rotation_matrix
 from .triton_codec import codec_meta, placeholder
@@ -211,23 +212,39 @@ def quantize_into_triton(dst: Packed, x: torch.Tensor, codec, positions: torch.T
         rot = cent = bounds = dummy
     scl = innerq.to(device=dev, dtype=torch.float32).contiguous() if innerq is not None else dummy
     turbo = meta["KIND"] == 3
+    split = x.dtype != torch.float16 or innerq is not None
+    cap_key = (meta["KIND"], meta["BITS"], D, split, innerq is not None, str(dev))
+    chosen = block_t is not None
     if block_t is None:  # H200 sweep (docs/kernels_notes.md, quantize): 128-row turbo tiles on 8 warps
         # (at most 128 x 128 values a tile: D = 256 at 128 rows needed 240 KB of shared memory)
         block_t = (min(16384 // D, max(16, triton.next_power_of_2(T))) if turbo else (32 if T >= 32 else 16))
-    n_tiles = triton.cdiv(T, block_t)
+        block_t = min(block_t, _TILE_CAP.get(cap_key, block_t))
     if programs_per_sm is None:
         programs_per_sm = 4 if turbo else 0
-    per_head = (max(1, triton.cdiv(programs_per_sm * _sm_count(dev), B * Hkv)) if programs_per_sm > 0
-                else n_tiles)
-    grid = (B * Hkv, min(n_tiles, per_head))
-    _quantize_kernel[grid](
-        x, pos, scl, c, s, rot, cent, bounds,
-        x.stride(0), x.stride(1), x.stride(2), c.stride(0), c.stride(1), c.stride(2),
-        s.stride(0), s.stride(1), s.stride(2),
-        Hkv, T, n_tiles,
-        D=D, BLOCK_T=block_t, KIND=meta["KIND"], BITS=meta["BITS"], G=meta["G"],
-        HAS_S=innerq is not None, SPLIT=x.dtype != torch.float16 or innerq is not None,
-        num_warps=num_warps or (8 if turbo and block_t >= 128 else 4), enable_fp_fusion=False)
+    while True:
+        n_tiles = triton.cdiv(T, block_t)
+        per_head = (max(1, triton.cdiv(programs_per_sm * _sm_count(dev), B * Hkv)) if programs_per_sm > 0
+                    else n_tiles)
+        try:
+            _quantize_kernel[(B * Hkv, min(n_tiles, per_head))](
+                x, pos, scl, c, s, rot, cent, bounds,
+                x.stride(0), x.stride(1), x.stride(2), c.stride(0), c.stride(1), c.stride(2),
+                s.stride(0), s.stride(1), s.stride(2),
+                Hkv, T, n_tiles,
+                D=D, BLOCK_T=block_t, KIND=meta["KIND"], BITS=meta["BITS"], G=meta["G"],
+                HAS_S=innerq is not None, SPLIT=split,
+                num_warps=num_warps or (8 if turbo and block_t >= 128 else 4), enable_fp_fusion=False)
+            return
+        except OutOfResources:
+            # the build needs more shared memory than the device has (H200: turbo8 at head_dim 128
+            # on fp32 rows asked 240 KB of 227 KB): halve the row tile, remember it for this shape
+            if chosen or block_t <= 16:
+                raise
+            block_t //= 2
+            _TILE_CAP[cap_key] = block_t
+
+
+_TILE_CAP: dict = {}  # (kind, bits, D, two-dot rotation, InnerQ, device) -> largest tile that built
 
 
 _SYMMETRIC: set = set()

@@ -206,6 +206,42 @@ def test_quantize_into_fp16_rows_tiles_walked(name):
     assert torch.all(dst.codes[:, :, :4] == 0) and torch.all(dst.codes[:, :, 704:] == 0)
 
 
+def test_quantize_into_halves_a_tile_the_device_cannot_hold(monkeypatch):
+    """A build over the shared memory (OutOfResources, as turbo8 at head_dim 128 on the H200) is
+    retried with half the row tile, the working tile remembered for the shape; an explicit block_t
+    is the caller's choice and fails as it is."""
+    from triton.runtime.errors import OutOfResources
+
+    from polykv.kernels import triton_quantize as tq
+
+    real, tried = tq._quantize_kernel, []
+
+    class SmallSharedMemory:  # builds only up to 32-row tiles
+        def __getitem__(self, grid):
+            def launch(*args, **kw):
+                tried.append(kw["BLOCK_T"])
+                if kw["BLOCK_T"] > 32:
+                    raise OutOfResources(1 << 18, 232448, "shared memory")
+                return real[grid](*args, **kw)
+            return launch
+
+    monkeypatch.setattr(tq, "_quantize_kernel", SmallSharedMemory())
+    monkeypatch.setattr(tq, "_TILE_CAP", {})
+    c = get_codec("turbo3", 64)
+    x = (torch.randn(1, 2, 150, 64) * 2).to(torch.float16)
+    dst = c.empty((1, 2, 160))
+    quantize_into(dst, x, c, torch.tensor([2]))
+    assert tried == [256, 128, 64, 32]
+    got, ref = _rows(dst, [2], 150), c.encode(x.float())
+    gi, ri = c.indices(got).int(), c.indices(ref).int()
+    assert (gi - ri).abs().max() <= 1 and (gi != ri).float().mean() <= 1e-3
+    tried.clear()
+    quantize_into(dst, x, c, torch.tensor([2]))
+    assert tried == [32]  # remembered
+    with pytest.raises(OutOfResources):
+        quantize_into(dst, x, c, torch.tensor([2]), block_t=64)
+
+
 def test_quantize_into_innerq_positions_2d():
     c = get_codec("turbo3", 128)
     s = torch.rand(2, 128) + 0.5
