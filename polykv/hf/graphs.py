@@ -14,6 +14,7 @@ lengths. Elsewhere (CPU, sliding-window layers, forced reference) it runs the sa
 from __future__ import annotations
 
 import contextlib
+import gc
 from typing import Callable
 
 import torch
@@ -29,10 +30,22 @@ def capture_graph(fn: Callable[[], None], mempool=None, warmup: int = 2) -> torc
             fn()
     torch.cuda.current_stream().wait_stream(side)
     graph = torch.cuda.CUDAGraph()
-    # thread_local: CUDA work of other threads (another batch of the same pool) during the capture
-    # is not an error; only this thread's stream is captured
-    with torch.cuda.graph(graph, pool=mempool, capture_error_mode="thread_local"), torch.no_grad():
-        fn()
+    # Garbage first, and no collection while capturing: a finished batch's graphs wait in
+    # reference cycles, and the cyclic collector destroying one mid-capture (CUDAGraph.reset) is an
+    # illegal call that silently invalidates this capture (H200: a speculative bench's 32-agent
+    # verify capture failed after its 8-agent batches, "operation not permitted when stream is
+    # capturing (function reset)"). torch 2.11's graph context does not collect by itself.
+    gc.collect()
+    gc_was_enabled = gc.isenabled()
+    gc.disable()
+    try:
+        # thread_local: CUDA work of other threads (another batch of the same pool) during the
+        # capture is not an error; only this thread's stream is captured
+        with torch.cuda.graph(graph, pool=mempool, capture_error_mode="thread_local"), torch.no_grad():
+            fn()
+    finally:
+        if gc_was_enabled:
+            gc.enable()
     return graph
 
 
