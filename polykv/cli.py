@@ -124,18 +124,45 @@ def calibrate(
     model: Optional[str] = typer.Option(None, "--model", help="Model (default: embedded SmolLM2-135M)."),
     out: Optional[str] = typer.Option(None, "--out", help="Output file (default: the cache dir, where "
                                       "KVCache(innerq='auto') finds it)."),
+    bits: Optional[float] = typer.Option(None, "--bits", help="Also measure each layer's sensitivity and "
+                                         "pick per-layer K/V types for this average bits/value budget; the "
+                                         "table is saved beside the InnerQ table, where "
+                                         "KVCache(preset='balanced'/'max') finds it."),
+    scored_tokens: int = typer.Option(256, "--scored-tokens", help="--bits: tokens scored per (layer, type)"),
+    prefix_tokens: int = typer.Option(1024, "--prefix-tokens", help="--bits: tokens whose K/V get compressed"),
     json_out: bool = typer.Option(False, "--json"),
 ):
-    """Calibrate InnerQ key scales from real keys of a model and save the table."""
-    from .data import corpus_text
+    """Calibrate InnerQ key scales from real keys of a model and save the table; with --bits, also the
+    per-layer precision policy (polykv.hf.precision)."""
+    from pathlib import Path
+
+    import torch
+
     from .hf.capture import calibrate_innerq
     from .hf.loading import load_model
+    from .hf.precision import calibration_ids, measure_sensitivity, policy_summary, precision_path
 
     m, tok = load_model(model)
-    # The novel's first 40k characters; evaluations score later parts, so calibration never sees them.
-    table = calibrate_innerq(m, tok, corpus_text()[:40000], path=out)
+    # The novel's last 2048 tokens: perplexity windows are cut from its start (4 x 2048 by default),
+    # so calibration never sees the evaluated text. (Until 2026-12-01: its first 40k characters,
+    # i.e. the first evaluation window.)
+    ids = calibration_ids(tok, 2048)
+    table = calibrate_innerq(m, tok, [torch.tensor(ids)], max_tokens=2048, path=out)
     result = {"path": getattr(table, "path", out), "model": table.model,
-              "layers_scaled": sorted(table.scales), "tokens": 2048}
+              "layers_scaled": sorted(table.scales), "tokens": len(ids),
+              "text": "last 2048 tokens of the bundled novel"}
+    if bits is not None:
+        prec = measure_sensitivity(m, tok, ids[-(prefix_tokens + scored_tokens):], innerq=table,
+                                   prefix=prefix_tokens, progress=not json_out)
+        try:
+            policy = prec.add_policy(bits)
+        except ValueError as e:
+            raise typer.BadParameter(str(e), param_hint="--bits") from None
+        target = (Path(out).with_name(Path(out).stem + ".precision.json") if out is not None
+                  else precision_path(m))
+        prec.save(target)
+        result.update({"precision_path": str(target), "precision_tokens": prec.meta["tokens"],
+                       "precision_metric": prec.meta["metric"], **policy_summary(policy)})
     if json_out:
         emit(result)
     else:

@@ -9,6 +9,14 @@
 "auto" InnerQ: the table calibrated for the model (`polykv calibrate`), when one exists. Bytes follow
 from DESIGN §3 and are checked against measured tensors by the tests; the quality of `balanced` and
 `max` against issue K's gates is measured by `polykv eval tiers` (docs/quality.md), not promised here.
+
+Calibrated precision: `balanced` and `max` carry a bits/value budget (`bits`). When the model has a
+precision table (`polykv calibrate --bits B`, `polykv.hf.precision`), `KVCache(model, preset=...)`
+takes per-layer K/V types allocated from it at that budget instead of the fixed K/V above (explicit
+k= / v= keep the fixed types); `KVCache.precision["source"]` says which ("calibrated" / "fixed").
+Budgets: balanced 4.25 bits/value (16 / 4.25 = 3.76x fewer bytes than f16, gate 3.5x), max 3.125
+(5.12x, gate 5.0x): a little under each gate's 4.57 / 3.2 so that fp16 scales of odd head_dims
+and rounding never cross it.
 """
 
 from __future__ import annotations
@@ -22,12 +30,13 @@ class Preset:
     k: str
     v: str
     innerq: str | None  # None or "auto"
+    bits: float | None = None  # budget for a calibrated precision table (None: fixed types only)
 
 
 PRESETS: dict[str, Preset] = {p.name: p for p in (
     Preset("default", "q8_0", "turbo3", None),
-    Preset("balanced", "turbo4", "turbo3", "auto"),
-    Preset("max", "turbo3", "turbo2", "auto"),
+    Preset("balanced", "turbo4", "turbo3", "auto", bits=4.25),
+    Preset("max", "turbo3", "turbo2", "auto", bits=3.125),
 )}
 
 

@@ -66,3 +66,11 @@ def test_serve_resolves_the_preset(monkeypatch):
     runner.serve(preset="balanced", k="q8_0")
     assert [(s["k"], s["v"], s["innerq"]) for s in seen] == [("turbo3", "turbo2", "auto"),
                                                              ("q8_0", "turbo3", "auto")]
+
+
+@pytest.mark.parametrize("name,gate", [("balanced", 3.5), ("max", 5.0)])
+def test_preset_budget_under_the_byte_gate(name, gate):
+    """A calibrated table is allocated at the preset's bits budget: 16 / budget must clear the gate
+    (the measured bytes of such a cache: tests/hf/test_precision.py::test_held_bytes_match_chosen_types)."""
+    assert PRESETS[name].bits is not None and 16 / PRESETS[name].bits >= gate
+    assert PRESETS["default"].bits is None

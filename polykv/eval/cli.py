@@ -32,6 +32,9 @@ PRESET_HELP = ("KV preset: default (K q8_0 / V turbo3), balanced (K turbo4+Inner
 
 
 DEVICE_HELP = "torch device of the model and the caches (default: cpu)"
+PRECISION_HELP = ("balanced / max without --k/--v: 'auto' = per-layer types from the model's calibrated "
+                  "precision table when one exists (polykv calibrate --bits), 'none' = the preset's fixed "
+                  "types, or a table path; the JSON field 'precision' says which was used")
 
 
 def _load(model: Optional[str], threads: Optional[int], device: Optional[str] = None):
@@ -83,6 +86,23 @@ def _check_types(k: str, v: str) -> None:
         raise typer.BadParameter(str(e)) from None
 
 
+def preset_overrides(model, preset: Optional[str], k: Optional[str], v: Optional[str],
+                     precision: Optional[str]) -> tuple[Optional[dict], Optional[dict]]:
+    """(overrides, info) for an eval command, as KVCache(model, preset=...) picks them: a preset with a
+    bits budget and no explicit --k / --v takes the calibrated precision table's per-layer types."""
+    if preset is None:
+        return None, None
+    if k is not None or v is not None:
+        return None, {"source": "fixed", "reason": "explicit --k / --v"}
+    from ..hf.precision import preset_policy
+
+    p = None if precision is None or precision.lower() == "none" else precision
+    try:
+        return preset_policy(model, preset, p)
+    except (KeyError, ValueError) as e:
+        raise typer.BadParameter(str(e)) from None
+
+
 def resolve_kv(preset: Optional[str], k: Optional[str], v: Optional[str],
                innerq: Optional[str]) -> tuple[str, str, Optional[str]]:
     """(k, v, innerq) of an eval command, as `polykv demo` / `serve` resolve them: the preset (None:
@@ -110,11 +130,13 @@ def ppl(preset: Optional[str] = typer.Option(None, "--preset", help=PRESET_HELP)
         windows: Optional[int] = typer.Option(None, "--windows", help="number of ctx windows (default: 8192 tokens' worth)"),
         innerq: Optional[str] = typer.Option(None, "--innerq", help=INNERQ_HELP),
         keep_layers_q8: int = typer.Option(0, "--keep-layers-q8", help="first/last n layers stored as q8_0"),
+        precision: str = typer.Option("auto", "--precision", help=PRECISION_HELP),
         threads: Optional[int] = typer.Option(None, "--threads", help="torch CPU threads"),
         device: Optional[str] = typer.Option(None, "--device", help=DEVICE_HELP),
         as_json: bool = typer.Option(False, "--json", help="print one JSON object")):
     """Perplexity with compressed KV vs f16 KV (fields: ppl, ppl_ref, delta_pct, tokens; prefill-score
     adds kv_bytes_held, kv_bytes, kv_bytes_f16, bytes_ratio_held, bytes_ratio)."""
+    k_arg, v_arg = k, v
     k, v, iq = resolve_kv(preset, k, v, innerq)
     if method not in ("windows", "prefill-score"):
         raise typer.BadParameter(f"unknown method {method!r}; valid methods: windows, prefill-score")
@@ -122,8 +144,11 @@ def ppl(preset: Optional[str] = typer.Option(None, "--preset", help=PRESET_HELP)
 
     m, tok = _load(model, threads, device)
     run = eval_ppl if method == "windows" else eval_prefill_score
-    r = run(m, tok, k, v, ctx, text=text, windows=windows, innerq=iq, keep_layers_q8=keep_layers_q8)
+    ov, info = preset_overrides(m, preset, k_arg, v_arg, precision)
+    r = run(m, tok, k, v, ctx, text=text, windows=windows, innerq=iq, keep_layers_q8=keep_layers_q8,
+            overrides=ov)
     r["preset"] = preset
+    r["precision"] = info
     _emit(r, as_json, lambda r: _kv_table(f"ppl K {k} / V {v} @ {ctx}", r,
                                           ["ppl", "ppl_ref", "delta_pct", "tokens", "windows", "kv_bytes",
                                            "bits_per_value", "kv_bytes_held", "kv_bytes_f16",
@@ -140,10 +165,12 @@ def equiv(preset: Optional[str] = typer.Option(None, "--preset", help=PRESET_HEL
           limit: Optional[int] = typer.Option(None, "--limit", help="use only the first N prompts"),
           innerq: Optional[str] = typer.Option(None, "--innerq", help=INNERQ_HELP),
           keep_layers_q8: int = typer.Option(0, "--keep-layers-q8"),
+          precision: str = typer.Option("auto", "--precision", help=PRECISION_HELP),
           threads: Optional[int] = typer.Option(None, "--threads"),
           device: Optional[str] = typer.Option(None, "--device", help=DEVICE_HELP),
           as_json: bool = typer.Option(False, "--json")):
     """Logit equivalence vs f16 KV (fields: real_frac, mean_tv, p95_tv, recall_mismatch, n, verdict)."""
+    k_arg, v_arg = k, v
     k, v, iq = resolve_kv(preset, k, v, innerq)
     from .equiv import eval_equiv
 
@@ -151,9 +178,11 @@ def equiv(preset: Optional[str] = typer.Option(None, "--preset", help=PRESET_HEL
     from .common import load_prompts
 
     plist = load_prompts(prompts)[:limit] if limit else prompts
+    ov, info = preset_overrides(m, preset, k_arg, v_arg, precision)
     r = eval_equiv(m, tok, k, v, prompts=plist, innerq=iq, keep_layers_q8=keep_layers_q8,
-                   max_new_tokens=max_new_tokens)
+                   max_new_tokens=max_new_tokens, overrides=ov)
     r["preset"] = preset
+    r["precision"] = info
     _emit(r, as_json, lambda r: _kv_table(f"equiv K {k} / V {v}", r,
                                           ["verdict", "real_frac", "mean_tv", "p95_tv", "recall_mismatch", "n",
                                            "recall", "recall_ref", "seconds"]))

@@ -128,18 +128,20 @@ def score_prefill(model, cache, ids: list[int], frac: float = PREFIX_FRAC) -> di
 
 def eval_prefill_score(model, tok, k: str = "q8_0", v: str = "turbo3", ctx: int = 2048, text=None,
                        windows: int | None = 1, innerq=None, keep_layers_q8: int = 0,
-                       frac: float = PREFIX_FRAC, progress: bool = True, skip_tokens: int = 0) -> dict:
+                       frac: float = PREFIX_FRAC, progress: bool = True, skip_tokens: int = 0,
+                       overrides=None) -> dict:
     """Perplexity by the reference's method (module docstring), K/V stored as k/v vs f16 KV.
     windows: consecutive ctx-token windows (default one: the first ctx tokens of the text).
     Returns {ppl, ppl_ref, delta_pct, tokens, kv_bytes_held, kv_bytes, kv_bytes_f16, bytes_ratio_held,
-    bytes_ratio, ...}; bytes are summed over windows."""
+    bytes_ratio, ...}; bytes are summed over windows. overrides: {layer: (k, v)} for the test cache."""
     t0 = time.time()
     wins = corpus_windows(tok, load_text(text), ctx, 1 if windows is None else windows, skip_tokens)
     runs = {}
-    for key, (kk, vv, iq, keep) in {"test": (k, v, innerq, keep_layers_q8), "ref": ("f16", "f16", None, 0)}.items():
+    for key, (kk, vv, iq, keep, ov) in {"test": (k, v, innerq, keep_layers_q8, overrides),
+                                        "ref": ("f16", "f16", None, 0, None)}.items():
         tot = {"nll": 0.0, "tokens": 0, "prefix": 0, "bytes_held": 0, "bytes": 0}
         for ids in _bar(wins, desc=f"prefill-score {kk}/{vv} ctx={ctx}", enabled=progress):
-            cache = make_cache(model, kk, vv, innerq=iq, keep_layers_q8=keep)
+            cache = make_cache(model, kk, vv, innerq=iq, keep_layers_q8=keep, overrides=ov)
             r = score_prefill(model, cache, ids, frac)
             for f in tot:
                 tot[f] += r[f]
@@ -153,16 +155,17 @@ def eval_prefill_score(model, tok, k: str = "q8_0", v: str = "turbo3", ctx: int 
         "ppl": ppl, "ppl_ref": ppl_ref, "delta_pct": (ppl / ppl_ref - 1.0) * 100.0, "tokens": t["tokens"],
         "method": "prefill-score", "k": k, "v": v, "ctx": ctx, "windows": len(wins), "prefix_tokens": t["prefix"],
         "prefix_frac": frac, "innerq": bool(report["innerq"]), "keep_layers_q8": keep_layers_q8,
+        "overrides": len(overrides or {}), "bits_per_value": report["bits_per_value"],
         "kv_bytes_held": t["bytes_held"], "kv_bytes": t["bytes"], "kv_bytes_f16": ref["bytes"],
         "kv_bytes_f16_held": ref["bytes_held"], "bytes_ratio_held": ref["bytes"] / t["bytes_held"],
         "bytes_ratio": ref["bytes"] / t["bytes"], "seconds": round(time.time() - t0, 1),
     }
 
 
-def _run(model, tok, wins, k, v, innerq, keep_layers_q8, show, desc):
+def _run(model, tok, wins, k, v, innerq, keep_layers_q8, show, desc, overrides=None):
     nll, count, report = 0.0, 0, None
     for ids in _bar(wins, desc=desc, enabled=show):
-        cache = make_cache(model, k, v, innerq=innerq, keep_layers_q8=keep_layers_q8)
+        cache = make_cache(model, k, v, innerq=innerq, keep_layers_q8=keep_layers_q8, overrides=overrides)
         a, b = score_window(model, cache, ids)
         nll += a
         count += b
@@ -174,20 +177,21 @@ def _run(model, tok, wins, k, v, innerq, keep_layers_q8, show, desc):
 
 def eval_ppl(model, tok, k: str = "q8_0", v: str = "turbo3", ctx: int = 2048, text=None,
              windows: int | None = None, innerq=None, keep_layers_q8: int = 0, progress: bool = True,
-             ppl_ref: float | None = None, skip_tokens: int = 0) -> dict:
+             ppl_ref: float | None = None, skip_tokens: int = 0, overrides=None) -> dict:
     """Perplexity with K/V stored as k/v vs the f16 reference (DESIGN §7).
 
     text: file path or literal text (None: bundled Pride and Prejudice); windows: number of ctx
     windows (None: 8192 tokens' worth); ppl_ref: reuse a reference perplexity computed on the same
-    windows; skip_tokens: start the windows after this many corpus tokens.
+    windows; skip_tokens: start the windows after this many corpus tokens; overrides: {layer: (k, v)}
+    per-layer types of the cache under test (a preset's calibrated precision policy).
     Returns {ppl, ppl_ref, delta_pct, tokens, ...} (tokens = scored tokens)."""
     t0 = time.time()
     wins = corpus_windows(tok, load_text(text), ctx, windows, skip_tokens)
     nll, count, report = _run(model, tok, wins, k, v, innerq, keep_layers_q8, progress,
-                              f"ppl {k}/{v} ctx={ctx}")
+                              f"ppl {k}/{v} ctx={ctx}", overrides)
     ppl = math.exp(nll / count)
     if ppl_ref is None:
-        if (k, v) == ("f16", "f16") and not keep_layers_q8:
+        if (k, v) == ("f16", "f16") and not keep_layers_q8 and not overrides:
             ppl_ref = ppl
         else:
             rn, rc, _ = _run(model, tok, wins, "f16", "f16", None, 0, progress, f"ppl f16 ctx={ctx}")
@@ -195,7 +199,7 @@ def eval_ppl(model, tok, k: str = "q8_0", v: str = "turbo3", ctx: int = 2048, te
     return {
         "ppl": ppl, "ppl_ref": ppl_ref, "delta_pct": (ppl / ppl_ref - 1.0) * 100.0, "tokens": count,
         "k": k, "v": v, "ctx": ctx, "windows": len(wins), "innerq": bool(report and report["innerq"]),
-        "keep_layers_q8": keep_layers_q8,
+        "keep_layers_q8": keep_layers_q8, "overrides": len(overrides or {}),
         "kv_bytes": report["kv_bytes"] if report else None,
         "bits_per_value": report["bits_per_value"] if report else None,
         "seconds": round(time.time() - t0, 1),

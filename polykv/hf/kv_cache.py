@@ -282,16 +282,31 @@ class KVCache(Cache):
     keep_layers_q8:  the first n and the last n layers store K and V as q8_0.
     overrides:       {layer_index: (k, v)} per-layer types (applied after keep_layers_q8).
     rotated_attention: run turbo K/V attention in the rotated domain (default True).
+    precision:       for preset="balanced" / "max" without k= / v=: "auto" (default) takes per-layer
+                     types from the model's calibrated precision table when one exists
+                     (`polykv.hf.precision`, `polykv calibrate --bits`), None keeps the preset's fixed
+                     types; or a table path / PrecisionTable. `self.precision` says which was used
+                     ({"source": "calibrated" | "fixed", ...}; None without a preset). k_type / v_type
+                     stay the preset's fixed pair; memory_report()["per_layer"] has the real types.
 
     Constructing a KVCache switches `model` to the "polykv" attention implementation.
     """
 
     def __init__(self, model, k: str | None = None, v: str | None = None, innerq=None, device=None,
                  keep_layers_q8: int = 0, rotated_attention: bool = True,
-                 overrides: dict[int, tuple[str, str]] | None = None, preset: str | None = None):
+                 overrides: dict[int, tuple[str, str]] | None = None, preset: str | None = None,
+                 precision="auto"):
         from ..presets import resolve
+        from .precision import preset_policy
 
+        explicit = k is not None or v is not None
         k, v, innerq = resolve(preset, k, v, innerq)
+        policy, self.precision = None, None
+        if preset is not None:
+            if explicit:
+                self.precision = {"source": "fixed", "reason": "explicit k= / v="}
+            else:
+                policy, self.precision = preset_policy(model, str(preset), precision)
         check_codec_name(k)
         check_codec_name(v)
         layout = model_layout(model)
@@ -302,8 +317,9 @@ class KVCache(Cache):
         table = _resolve_innerq(innerq, model, k)
         layers = []
         for lay in layout:
-            kt, vt = (("q8_0", "q8_0") if keep and (lay.index < keep or lay.index >= n - keep)
-                      else (k, v))
+            kt, vt = policy[lay.index] if policy else (k, v)
+            if keep and (lay.index < keep or lay.index >= n - keep):
+                kt, vt = "q8_0", "q8_0"
             if overrides and lay.index in overrides:
                 kt, vt = overrides[lay.index]
                 check_codec_name(kt)
@@ -442,7 +458,7 @@ class KVCache(Cache):
                               "bytes": layer.nbytes(), "bytes_used": u})
         return {
             "k": self.k_type, "v": self.v_type, "keep_layers_q8": self.keep_layers_q8,
-            "innerq": self.innerq is not None, "layers": len(self.layers),
+            "innerq": self.innerq is not None, "precision": self.precision, "layers": len(self.layers),
             "tokens": self.get_seq_length(), "kv_bytes": self.nbytes(), "kv_bytes_used": used,
             "bits_per_value": (used * 8 / values) if values else None, "per_layer": per_layer,
         }

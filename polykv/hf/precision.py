@@ -1,0 +1,394 @@
+"""Automatic precision policy (issue K): per-layer K/V types that meet an average bits/value budget.
+
+    table = measure_sensitivity(model, tok, innerq=iq)    # per layer and candidate type: an error
+    policy = table.allocate(4.25)                           # per-layer (k, v) types, <= 4.25 bits/value
+    cache = KVCache(model, overrides=policy.overrides(), innerq=iq)
+    table.save(precision_path(model))                       # KVCache(model, preset="balanced") loads it
+
+Measurement. Calibration tokens (`calibration_ids`: the *end* of the bundled novel; perplexity
+windows are cut from its start) are split into a prefix (default 1024 tokens) and a scored part
+(default 256). The prefix runs once through the model into a plain DynamicCache (exact float32 K/V,
+post-RoPE, as KVCache encodes them). Then, for every layer l and every candidate type t of K (resp. V),
+layer l's stored prefix K (resp. V) is replaced by its round trip through a `CompressedLayer` of type t
+(InnerQ scales included for turbo K, exactly what KVCache stores), every other layer and the other
+half of the pair stay exact, and the scored part is run once against that prefix. The error is the
+mean over scored tokens of KL(p_exact || p_test) in nats, p over the full vocabulary: how much the
+model's next-token distribution moves when only that layer's K (or V) is stored as t. Codec error
+alone is flat across layers (docs/quality.md, "What hurts"); what differs is how much each layer's
+output depends on it, which only an end-to-end measurement sees. Cost: one scored forward per
+(layer, type) — SmolLM2 (30 layers, 6 types, 256 scored tokens): 180 forwards, ~4 min on 1 CPU thread.
+
+Allocation (`PrecisionTable.allocate`). Errors are taken as additive over layers and over K/V.
+Start with every layer at the cheapest candidate of K and of V; repeatedly apply the upgrade (one
+layer's K or V to any costlier candidate) with the largest error reduction per extra bit of the
+average, while the average stays within the budget; upgrades that do not reduce the error are never
+made. The sequence of upgrades does not depend on the budget, and a budget takes the longest prefix
+of it that fits, so a larger budget never gives any layer a cheaper type (monotone in B).
+
+Bits per value: the codecs' real stored bytes (`Codec.bits_per_value` of an encode: codes plus fp16
+scales/norms, DESIGN §3) for the layer's head_dim; the average weighs each layer by the values it
+holds at `ctx` tokens (kv_heads x head_dim x rows; a sliding layer holds at most window - 1 rows),
+i.e. it is the bits/value `KVCache.memory_report()` measures on a ctx-token window.
+
+File (JSON, `precision_path(model)` = the InnerQ table's path with suffix ".precision.json"):
+{format "polykv-precision", version 1, model (innerq_key), metric, tokens, prefix, text, innerq,
+ ctx, k_types, v_types, layers: [{layer, weight, bits: {type: bits}, k_error: {type: err},
+ v_error: {type: err}}], policies: {"<bits>": {bits_target, bits_achieved, predicted_error,
+ types: [[k, v], ...]}}} — `policies` holds the allocations that `polykv calibrate --bits` asked for.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+FORMAT = "polykv-precision"
+VERSION = 1
+K_TYPES = ("turbo3", "turbo4", "q8_0")  # candidates for K (turbo with InnerQ when a table is given)
+V_TYPES = ("turbo2", "turbo3", "turbo4")
+PREFIX_TOKENS = 1024
+SCORED_TOKENS = 256
+CTX = 2048
+_EPS = 1e-9
+
+
+@dataclass(frozen=True)
+class Policy:
+    """Per-layer (k, v) types chosen for a bits/value budget."""
+
+    bits_target: float
+    bits_achieved: float
+    predicted_error: float
+    types: tuple[tuple[str, str], ...]
+
+    def overrides(self) -> dict[int, tuple[str, str]]:
+        """{layer: (k, v)} for `KVCache(..., overrides=...)`."""
+        return {i: kv for i, kv in enumerate(self.types)}
+
+    def to_json(self) -> dict:
+        return {"bits_target": self.bits_target, "bits_achieved": self.bits_achieved,
+                "predicted_error": self.predicted_error, "types": [list(t) for t in self.types]}
+
+    @classmethod
+    def from_json(cls, d: dict) -> "Policy":
+        return cls(float(d["bits_target"]), float(d["bits_achieved"]), float(d["predicted_error"]),
+                   tuple((str(k), str(v)) for k, v in d["types"]))
+
+
+@dataclass
+class PrecisionTable:
+    """Measured sensitivity per layer and candidate type, and the allocations made from it.
+
+    bits[l][t]: stored bits/value of type t at layer l's head_dim; weight[l]: values layer l holds
+    per K (or V) at `ctx` tokens; k_error[l][t] / v_error[l][t]: the measured error (module docstring).
+    """
+
+    bits: list[dict[str, float]]
+    weight: list[float]
+    k_error: list[dict[str, float]]
+    v_error: list[dict[str, float]]
+    k_types: tuple[str, ...] = K_TYPES
+    v_types: tuple[str, ...] = V_TYPES
+    meta: dict = field(default_factory=dict)
+    policies: dict[str, Policy] = field(default_factory=dict)
+    path: str | None = None
+
+    @property
+    def layers(self) -> int:
+        return len(self.weight)
+
+    # --- bits --------------------------------------------------------------------------------
+    def average_bits(self, types) -> float:
+        """Average stored bits/value of per-layer (k, v) types, weighted by the values each layer holds."""
+        num = sum(w * (self.bits[i][k] + self.bits[i][v]) for i, (w, (k, v)) in enumerate(zip(self.weight, types)))
+        return num / (2 * sum(self.weight))
+
+    def min_bits(self) -> float:
+        return self.average_bits([(self._cheapest(i, self.k_types), self._cheapest(i, self.v_types))
+                                  for i in range(self.layers)])
+
+    def _cheapest(self, i: int, types) -> str:
+        return min(types, key=lambda t: self.bits[i][t])
+
+    # --- allocation ----------------------------------------------------------------------------
+    def upgrades(self) -> tuple[list[tuple[str, str]], list[tuple[int, str, str, float]]]:
+        """(start, sequence): the cheapest per-layer types and the greedy upgrade sequence
+        [(layer, "k"|"v", new type, average bits after)] (module docstring)."""
+        start = [(self._cheapest(i, self.k_types), self._cheapest(i, self.v_types)) for i in range(self.layers)]
+        cur = [list(kv) for kv in start]
+        total_w = 2 * sum(self.weight)
+        avg = self.average_bits(start)
+        seq = []
+        while True:
+            best = None  # (ratio, layer, side, type, bits delta)
+            for i in range(self.layers):
+                for side, types, err in ((0, self.k_types, self.k_error), (1, self.v_types, self.v_error)):
+                    now = cur[i][side]
+                    for t in types:
+                        extra = (self.bits[i][t] - self.bits[i][now]) * self.weight[i] / total_w
+                        gain = err[i][now] - err[i][t]
+                        if extra <= 0 or gain <= 0:
+                            continue
+                        if best is None or gain / extra > best[0]:
+                            best = (gain / extra, i, side, t, extra)
+            if best is None:
+                return start, seq
+            _, i, side, t, extra = best
+            cur[i][side] = t
+            avg += extra
+            seq.append((i, "kv"[side], t, avg))
+
+    def allocate(self, bits: float) -> Policy:
+        """Per-layer types whose average bits/value is <= bits (ValueError when even the cheapest
+        types exceed it)."""
+        bits = float(bits)
+        floor = self.min_bits()
+        if bits + _EPS < floor:
+            raise ValueError(f"budget {bits:.3f} bits/value is below the cheapest candidates' "
+                             f"{floor:.3f} (K {'/'.join(self.k_types)}, V {'/'.join(self.v_types)})")
+        start, seq = self.upgrades()
+        cur = [list(kv) for kv in start]
+        for i, side, t, after in seq:
+            if after > bits + _EPS:
+                break
+            cur[i]["kv".index(side)] = t
+        types = tuple((k, v) for k, v in cur)
+        err = sum(self.k_error[i][k] + self.v_error[i][v] for i, (k, v) in enumerate(types))
+        return Policy(bits, self.average_bits(types), err, types)
+
+    def add_policy(self, bits: float) -> Policy:
+        p = self.allocate(bits)
+        self.policies[f"{float(bits):g}"] = p
+        return p
+
+    # --- file ----------------------------------------------------------------------------------
+    def to_json(self) -> dict:
+        return {
+            "format": FORMAT, "version": VERSION, **self.meta,
+            "k_types": list(self.k_types), "v_types": list(self.v_types),
+            "layers": [{"layer": i, "weight": self.weight[i], "bits": self.bits[i],
+                        "k_error": self.k_error[i], "v_error": self.v_error[i]} for i in range(self.layers)],
+            "policies": {b: p.to_json() for b, p in self.policies.items()},
+        }
+
+    @classmethod
+    def from_json(cls, d: dict) -> "PrecisionTable":
+        if d.get("format") != FORMAT or int(d.get("version", -1)) != VERSION:
+            raise ValueError(f"not a {FORMAT} v{VERSION} table (format {d.get('format')!r}, "
+                             f"version {d.get('version')!r})")
+        rows = sorted(d["layers"], key=lambda r: r["layer"])
+        if [r["layer"] for r in rows] != list(range(len(rows))):
+            raise ValueError("precision table: layers must be 0..n-1")
+        meta = {k: v for k, v in d.items() if k not in ("format", "version", "k_types", "v_types",
+                                                         "layers", "policies")}
+        return cls(bits=[{t: float(b) for t, b in r["bits"].items()} for r in rows],
+                   weight=[float(r["weight"]) for r in rows],
+                   k_error=[{t: float(e) for t, e in r["k_error"].items()} for r in rows],
+                   v_error=[{t: float(e) for t, e in r["v_error"].items()} for r in rows],
+                   k_types=tuple(d["k_types"]), v_types=tuple(d["v_types"]), meta=meta,
+                   policies={b: Policy.from_json(p) for b, p in d.get("policies", {}).items()})
+
+    def save(self, path: str | Path) -> Path:
+        """Write atomically (temp file + rename)."""
+        path = Path(path)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_name(path.name + f".tmp{os.getpid()}")
+        tmp.write_text(json.dumps(self.to_json(), indent=1, sort_keys=False) + "\n", encoding="utf-8")
+        os.replace(tmp, path)
+        self.path = str(path)
+        return path
+
+    @classmethod
+    def load(cls, path: str | Path) -> "PrecisionTable":
+        table = cls.from_json(json.loads(Path(path).read_text(encoding="utf-8")))
+        table.path = str(path)
+        return table
+
+
+def precision_path(model) -> Path:
+    """Beside the model's InnerQ table: cache_dir("innerq")/<innerq_key>.precision.json."""
+    from .fingerprint import innerq_path
+
+    p = innerq_path(model)
+    return p.with_name(p.name.removesuffix(".safetensors") + ".precision.json")
+
+
+def layer_bits(layout, types) -> list[dict[str, float]]:
+    """Measured stored bits/value of each type at each layer's head_dim (one encode per shape)."""
+    from ..codecs import get_codec
+
+    memo: dict = {}
+    out = []
+    for lay in layout:
+        row = {}
+        for t in types:
+            if (t, lay.head_dim) not in memo:
+                memo[(t, lay.head_dim)] = get_codec(t, lay.head_dim).bits_per_value()
+            row[t] = memo[(t, lay.head_dim)]
+        out.append(row)
+    return out
+
+
+def layer_weights(layout, ctx: int = CTX) -> list[float]:
+    """Values one of K / V holds per layer at ctx tokens (ctx - 1 rows stored; sliding: window - 1)."""
+    rows = []
+    for lay in layout:
+        r = ctx - 1 if lay.sliding_window is None else min(ctx - 1, lay.sliding_window - 1)
+        rows.append(float(lay.num_kv_heads * lay.head_dim * max(r, 1)))
+    return rows
+
+
+def calibration_ids(tok, tokens: int, text: str | None = None) -> list[int]:
+    """The last `tokens` tokens of `text` (default: the bundled novel, whose start the perplexity
+    windows use), with the tokenizer's BOS first when it adds one."""
+    if text is None:
+        from ..data import corpus_text
+
+        text = corpus_text()
+    ids = tok(text, add_special_tokens=False)["input_ids"]
+    with_special = tok("a")["input_ids"]
+    bos = tok.bos_token_id if (tok.bos_token_id is not None and with_special
+                               and with_special[0] == tok.bos_token_id) else None
+    body = tokens - (bos is not None)
+    if len(ids) < body:
+        raise ValueError(f"calibration text has {len(ids)} tokens, fewer than {body}")
+    return ([bos] if bos is not None else []) + ids[-body:]
+
+
+def _roundtrip(keys: torch.Tensor, values: torch.Tensor, k: str, v: str, scales) -> tuple[torch.Tensor, torch.Tensor]:
+    """K/V [1, heads, S, D] stored as k / v and read back in true space (what KVCache attends to)."""
+    from ..cache import CompressedLayer
+
+    s = scales if (scales is not None and k.startswith("turbo")) else None
+    store = CompressedLayer.for_types(k, v, keys.shape[-1], keys.shape[0], keys.shape[1], keys.device, s)
+    store.append(keys.float(), values.float())
+    kd, vd = store.dense(torch.float32)
+    return kd.to(keys.dtype), vd.to(values.dtype)
+
+
+@torch.inference_mode()
+def measure_sensitivity(model, tok, ids: list[int] | None = None, innerq=None, k_types=K_TYPES,
+                        v_types=V_TYPES, prefix: int = PREFIX_TOKENS, ctx: int = CTX,
+                        progress: bool = False) -> PrecisionTable:
+    """Per layer and candidate type, the mean KL of the next-token distribution when only that
+    layer's K (resp. V) prefix is stored as that type (module docstring). ids: calibration tokens
+    (default: `calibration_ids(tok, PREFIX_TOKENS + SCORED_TOKENS)`); innerq: InnerQTable for turbo K."""
+    from transformers import DynamicCache
+
+    from .fingerprint import innerq_key
+    from .kv_cache import model_layout
+
+    if ids is None:
+        ids = calibration_ids(tok, prefix + SCORED_TOKENS)
+    if not 1 <= prefix < len(ids) - 1:
+        raise ValueError(f"prefix {prefix} out of range for {len(ids)} calibration tokens")
+    layout = model_layout(model)
+    dev = next(model.parameters()).device
+    x = torch.tensor(ids, device=dev)[None]
+    cache = DynamicCache()  # every layer keeps every row, exact
+    model(input_ids=x[:, :prefix], past_key_values=cache, use_cache=True, logits_to_keep=1)
+    if len(cache.layers) != len(layout):
+        raise ValueError(f"captured {len(cache.layers)} cache layers, the layout has {len(layout)}")
+
+    def scored_logprobs() -> torch.Tensor:
+        out = model(input_ids=x[:, prefix:], past_key_values=cache, use_cache=True)
+        cache.crop(-(len(ids) - prefix))
+        return torch.log_softmax(out.logits[0].float(), -1)
+
+    ref = scored_logprobs()
+    p_ref = ref.exp()
+
+    def kl(test: torch.Tensor) -> float:
+        return float((p_ref * (ref - test)).sum(-1).mean())
+
+    from ..eval.common import progress as bar
+
+    k_err: list[dict] = [{} for _ in layout]
+    v_err: list[dict] = [{} for _ in layout]
+    jobs = [(i, side, t) for i in range(len(layout)) for side, types in (("k", k_types), ("v", v_types))
+            for t in types]
+    for i, side, t in bar(jobs, desc="precision: layer x type", enabled=progress):
+        layer = cache.layers[i]
+        keys, values = layer.keys, layer.values
+        scales = innerq.layer(i) if innerq is not None else None
+        if side == "k":
+            layer.keys, _ = _roundtrip(keys, values, t, "f16", scales)
+        else:
+            _, layer.values = _roundtrip(keys, values, "f16", t, None)
+        try:
+            err = kl(scored_logprobs())
+        finally:
+            layer.keys, layer.values = keys, values
+        (k_err if side == "k" else v_err)[i][t] = max(err, 0.0)
+    meta = {"model": innerq_key(model), "metric": "mean KL(p_f32 || p_test), nats/token",
+            "tokens": len(ids), "prefix": prefix, "text": "end of the bundled novel (calibration_ids)",
+            "innerq": innerq is not None and bool(getattr(innerq, "scales", None)), "ctx": ctx}
+    return PrecisionTable(bits=layer_bits(layout, set(k_types) | set(v_types)), weight=layer_weights(layout, ctx),
+                          k_error=k_err, v_error=v_err, k_types=tuple(k_types), v_types=tuple(v_types),
+                          meta=meta)
+
+
+def load_precision(model, path=None) -> PrecisionTable | None:
+    """The table for `model` (path, or `precision_path(model)`), None when there is none. A table
+    measured on another model (different innerq_key or layer count) raises ValueError."""
+    from .fingerprint import innerq_key
+    from .kv_cache import model_layout
+
+    p = Path(path) if path is not None else precision_path(model)
+    if not p.exists():
+        if path is not None:
+            raise FileNotFoundError(f"precision table not found: {p}")
+        return None
+    table = PrecisionTable.load(p)
+    n = len(model_layout(model))
+    if table.layers != n:
+        raise ValueError(f"precision table {p} has {table.layers} layers, the model {n}")
+    key = innerq_key(model)
+    if path is None and table.meta.get("model") not in (None, key):
+        raise ValueError(f"precision table {p} was measured on {table.meta.get('model')}, not {key}")
+    return table
+
+
+def preset_policy(model, preset_name: str, precision="auto") -> tuple[dict | None, dict]:
+    """(overrides or None, info) for a preset: the calibrated table's allocation at the preset's
+    budget when the preset has one (`Preset.bits`) and a table exists, else None (the preset's fixed
+    types). precision: "auto" (precision_path), None (fixed types), a path or a PrecisionTable.
+    info: {"source": "calibrated"|"fixed", ...} — what KVCache reports as `precision`."""
+    from ..presets import PRESETS
+
+    p = PRESETS[preset_name]
+    if p.bits is None:
+        return None, {"source": "fixed", "reason": f"preset {preset_name!r} has no bits budget"}
+    if precision is None:
+        return None, {"source": "fixed", "reason": "precision=None"}
+    if isinstance(precision, PrecisionTable):
+        table = precision
+    else:
+        table = load_precision(model, None if precision == "auto" else precision)
+    if table is None:
+        return None, {"source": "fixed", "reason": f"no calibrated table at {precision_path(model)} "
+                      "(polykv calibrate --bits B)"}
+    pol = table.allocate(p.bits)
+    info = {"source": "calibrated", "path": table.path, "bits_target": pol.bits_target,
+            "bits_achieved": round(pol.bits_achieved, 4), "types": [list(t) for t in pol.types]}
+    return pol.overrides(), info
+
+
+def policy_summary(policy: Policy) -> dict:
+    """JSON fields of a policy for the CLI: bits_target, bits_achieved, per-layer types."""
+    counts: dict[str, int] = {}
+    for k, v in policy.types:
+        counts[f"{k}/{v}"] = counts.get(f"{k}/{v}", 0) + 1
+    return {"bits_target": policy.bits_target, "bits_achieved": round(policy.bits_achieved, 4),
+            "predicted_error": policy.predicted_error,
+            "layer_types": [{"layer": i, "k": k, "v": v} for i, (k, v) in enumerate(policy.types)],
+            "type_counts": counts}
+
+
+__all__ = ["CTX", "K_TYPES", "PREFIX_TOKENS", "SCORED_TOKENS", "V_TYPES", "Policy", "PrecisionTable",
+           "calibration_ids", "layer_bits", "layer_weights", "load_precision", "measure_sensitivity",
+           "policy_summary", "precision_path", "preset_policy"]

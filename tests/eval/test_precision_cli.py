@@ -1,0 +1,56 @@
+"""`polykv calibrate --bits` through the real CLI at tiny size (a 2-layer random Llama with SmolLM2's
+tokenizer, as in tests/test_cli_smoke.py), then `polykv eval ppl --preset` picking the table up."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+from typer.testing import CliRunner
+
+
+def run_json(args: list[str]) -> dict:
+    from polykv.cli import app
+
+    res = CliRunner().invoke(app, args + ["--json"])
+    assert res.exit_code == 0, f"{res.output}\n{res.exception!r}"
+    lines = [ln for ln in res.stdout.splitlines() if ln.strip()]
+    assert len(lines) == 1, res.stdout[-2000:]
+    return json.loads(lines[0])
+
+
+@pytest.fixture()
+def cache_dir(tmp_path, monkeypatch):
+    monkeypatch.setenv("POLYKV_CACHE_DIR", str(tmp_path / "cache"))
+    return tmp_path / "cache"
+
+
+def test_calibrate_bits_then_preset(tiny_dir, cache_dir):
+    from polykv.cli import app
+
+    r = run_json(["calibrate", "--model", tiny_dir, "--bits", "3.1", "--scored-tokens", "64",
+                  "--prefix-tokens", "256"])
+    # the fields calibrate always had
+    assert set(r) >= {"path", "model", "layers_scaled", "tokens"} and r["tokens"] == 2048
+    assert Path(r["path"]).exists() and Path(r["path"]).parent == cache_dir / "innerq"
+    # the policy's
+    assert r["bits_target"] == 3.1 and 2.5 < r["bits_achieved"] <= 3.1
+    assert [row["layer"] for row in r["layer_types"]] == [0, 1]
+    assert all(row["k"] in ("turbo3", "turbo4", "q8_0") and row["v"] in ("turbo2", "turbo3", "turbo4")
+               for row in r["layer_types"])
+    saved = json.loads(Path(r["precision_path"]).read_text())
+    assert Path(r["precision_path"]).parent == cache_dir / "innerq"
+    assert saved["policies"]["3.1"]["types"] == [[row["k"], row["v"]] for row in r["layer_types"]]
+    assert saved["prefix"] == 256 and saved["tokens"] == 320
+
+    # eval ppl --preset max finds it (and --precision none does not use it)
+    for precision, source in (("auto", "calibrated"), ("none", "fixed")):
+        e = run_json(["eval", "ppl", "--model", tiny_dir, "--preset", "max", "--ctx", "64", "--windows", "1",
+                      "--precision", precision])
+        assert e["precision"]["source"] == source, e["precision"]
+        assert e["ppl"] > 0
+    # a budget below the cheapest types is refused with a message
+    res = CliRunner().invoke(app, ["calibrate", "--model", tiny_dir, "--bits", "1.0", "--scored-tokens", "8",
+                                   "--prefix-tokens", "16", "--json"])
+    assert res.exit_code != 0 and "below the cheapest" in res.output

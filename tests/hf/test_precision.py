@@ -1,0 +1,211 @@
+"""Automatic precision policy (polykv.hf.precision, issue K): the greedy allocation meets its budget
+and is monotone in it, the table survives a round trip, KVCache(preset=...) loads it, and the bytes
+KVCache holds are the chosen types' bytes."""
+
+import json
+
+import pytest
+import torch
+
+import polykv
+from polykv.codecs import get_codec
+from polykv.hf.precision import (K_TYPES, V_TYPES, PrecisionTable, layer_bits, layer_weights,
+                                 load_precision, measure_sensitivity, precision_path, preset_policy)
+from polykv.presets import PRESETS
+
+
+def _model(layers=5, head_dim=64, kv_heads=2):
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    cfg = LlamaConfig(vocab_size=128, hidden_size=128, intermediate_size=128, num_hidden_layers=layers,
+                      num_attention_heads=4, num_key_value_heads=kv_heads, head_dim=head_dim,
+                      max_position_embeddings=1024)
+    return LlamaForCausalLM(cfg).eval()
+
+
+def _synthetic(layers=7, head_dims=(64,), seed=0) -> PrecisionTable:
+    """A table with made-up errors (decreasing with bits, layer sensitivities spread over 100x) over
+    the real codecs' bits; head_dims cycle over layers, weights differ per layer."""
+    g = torch.Generator().manual_seed(seed)
+    from polykv.hf.kv_cache import LayerLayout
+
+    layout = [LayerLayout(i, 1 + i % 3, head_dims[i % len(head_dims)], None) for i in range(layers)]
+    sens = (10 ** (2 * torch.rand(layers, 2, generator=g))).tolist()
+    k_err = [{"turbo3": s[0], "turbo4": s[0] / 3, "q8_0": s[0] / 300} for s in sens]
+    v_err = [{"turbo2": s[1], "turbo3": s[1] / 4, "turbo4": s[1] / 15} for s in sens]
+    return PrecisionTable(bits=layer_bits(layout, set(K_TYPES) | set(V_TYPES)),
+                          weight=layer_weights(layout, 2048), k_error=k_err, v_error=v_err,
+                          meta={"model": "synthetic"})
+
+
+def _rank(kv):
+    """Index of each layer's K and V type among the candidates (cheapest 0)."""
+    return [(K_TYPES if side == 0 else V_TYPES).index(t[side]) for t in kv for side in (0, 1)]
+
+
+@pytest.mark.parametrize("head_dims", [(64,), (64, 128), (32, 256)])
+def test_allocation_meets_budget_and_is_monotone(head_dims):
+    table = _synthetic(9, head_dims)
+    floor = table.min_bits()
+    start, seq = table.upgrades()
+    top = seq[-1][3]
+    step = max(b - a for a, b in zip([floor] + [s[3] for s in seq], [s[3] for s in seq]))
+    prev = None
+    for b in [floor + (top + 0.5 - floor) * i / 40 for i in range(41)]:
+        p = table.allocate(b)
+        assert p.bits_achieved <= b + 1e-9
+        assert abs(p.bits_achieved - table.average_bits(p.types)) < 1e-12
+        if b <= top:  # the budget is used: the next upgrade would not have fitted
+            assert p.bits_achieved > b - step - 1e-9, (b, p.bits_achieved)
+        if prev is not None:  # a larger budget never makes a layer cheaper, never adds error
+            assert all(x >= y for x, y in zip(_rank(p.types), _rank(prev.types)))
+            assert p.bits_achieved >= prev.bits_achieved - 1e-12
+            assert p.predicted_error <= prev.predicted_error + 1e-12
+        prev = p
+    assert [t for t in prev.types] == [("q8_0", "turbo4")] * table.layers  # everything bought
+    with pytest.raises(ValueError, match="below the cheapest"):
+        table.allocate(floor - 0.01)
+
+
+def test_allocation_buys_the_sensitive_layer_first():
+    table = _synthetic(6)
+    for e in table.k_error + table.v_error:
+        for t in e:
+            e[t] *= 1e-3
+    table.k_error[4] = {"turbo3": 50.0, "turbo4": 40.0, "q8_0": 0.0}  # one layer's K hurts, a lot
+    p = table.allocate(table.min_bits() + 0.5)  # q8_0 K on layer 4 (2 of 12 heads) costs 0.44
+    assert p.types[4][0] == "q8_0"
+    assert all(kv[0] == "turbo3" for i, kv in enumerate(p.types) if i != 4)
+
+
+def test_table_round_trip(tmp_path):
+    table = _synthetic(5, (64, 128))
+    pol = table.add_policy(3.5)
+    path = table.save(tmp_path / "t.precision.json")
+    back = PrecisionTable.load(path)
+    assert back.to_json() == table.to_json()
+    assert back.policies["3.5"] == pol
+    assert back.allocate(3.9) == table.allocate(3.9)
+    bad = json.loads(path.read_text())
+    bad["format"] = "something-else"
+    (tmp_path / "bad.json").write_text(json.dumps(bad))
+    with pytest.raises(ValueError, match="polykv-precision"):
+        PrecisionTable.load(tmp_path / "bad.json")
+
+
+@pytest.fixture()
+def cache_dir(tmp_path, monkeypatch):
+    monkeypatch.setenv("POLYKV_CACHE_DIR", str(tmp_path))
+    return tmp_path
+
+
+def _model_table(model) -> PrecisionTable:
+    """Synthetic errors over the model's real layout (so that allocations mix types)."""
+    from polykv.hf.kv_cache import model_layout
+
+    from polykv.hf.fingerprint import innerq_key
+
+    lay = model_layout(model)
+    t = _synthetic(len(lay))
+    t.bits, t.weight = layer_bits(lay, set(K_TYPES) | set(V_TYPES)), layer_weights(lay)
+    t.meta["model"] = innerq_key(model)
+    return t
+
+
+def test_preset_loads_the_table(cache_dir):
+    model = _model()
+    c = polykv.KVCache(model, preset="balanced")
+    assert c.precision["source"] == "fixed" and "polykv calibrate --bits" in c.precision["reason"]
+    table = _model_table(model)
+    table.save(precision_path(model))
+    for name in ("balanced", "max"):
+        want = table.allocate(PRESETS[name].bits).types
+        assert len(set(want)) > 1  # a real mix, not one pair everywhere
+        c = polykv.KVCache(model, preset=name)
+        assert c.precision["source"] == "calibrated"
+        assert c.precision["bits_target"] == PRESETS[name].bits
+        assert [(lay.k_type, lay.v_type) for lay in c.layers] == list(want)
+        for kw in (dict(precision=None), dict(k="turbo4"), dict(v="turbo4")):
+            c = polykv.KVCache(model, preset=name, **kw)
+            assert c.precision["source"] == "fixed", kw
+            assert len({(lay.k_type, lay.v_type) for lay in c.layers}) == 1
+    # explicit overrides still win over the table
+    c = polykv.KVCache(model, preset="max", overrides={0: ("f16", "f16")})
+    assert (c.layers[0].k_type, c.layers[0].v_type) == ("f16", "f16")
+    assert polykv.KVCache(model, preset="default").precision["source"] == "fixed"
+
+
+def test_table_of_another_model_is_refused(cache_dir):
+    model = _model()
+    table = _model_table(model)
+    table.meta["model"] = "llama-0000000000000000"
+    table.save(precision_path(model))
+    with pytest.raises(ValueError, match="measured on"):
+        load_precision(model)
+
+
+@pytest.mark.parametrize("name", ["balanced", "max"])
+def test_held_bytes_match_chosen_types(cache_dir, name):
+    """After a prompt, the bytes KVCache holds are exactly the chosen types' packed bytes per layer,
+    the measured bits/value is the table's prediction, and the preset's byte gate vs f16 holds."""
+    model = _model(layers=6, head_dim=64)
+    table = _model_table(model)
+    table.save(precision_path(model))
+    n = 301
+    ids = torch.randint(3, 120, (1, n))
+    caches = {}
+    with torch.no_grad():
+        for key, kw in (("f16", dict(k="f16", v="f16")), (name, dict(preset=name))):
+            caches[key] = polykv.KVCache(model, **kw)
+            model(ids, past_key_values=caches[key], use_cache=True)
+            caches[key].compact()
+    c = caches[name]
+    assert c.precision["source"] == "calibrated"
+    types = table.allocate(PRESETS[name].bits).types
+    for lay, (k, v) in zip(c.layers, types):
+        h, d = lay.layout.num_kv_heads, lay.layout.head_dim
+        want = sum(p.nbytes() for p in (get_codec(k, d).empty((1, h, n)), get_codec(v, d).empty((1, h, n))))
+        assert lay.nbytes() == want, (lay.layout.index, k, v)
+    report = c.memory_report()
+    assert report["precision"]["source"] == "calibrated"
+    assert abs(report["bits_per_value"] - table.average_bits(types)) < 1e-9
+    gate = {"balanced": 3.5, "max": 5.0}[name]
+    assert caches["f16"].nbytes() / c.nbytes() >= gate
+
+
+def test_measure_sensitivity_tiny_model():
+    """Real measurement on a random model: an error for every (layer, type), q8_0 keys the closest."""
+    model = _model(layers=3)
+    ids = torch.randint(3, 120, (160,)).tolist()
+    table = measure_sensitivity(model, None, ids=ids, prefix=128)
+    assert table.layers == 3 and table.meta["prefix"] == 128 and table.meta["tokens"] == 160
+    for i in range(3):
+        assert set(table.k_error[i]) == set(K_TYPES) and set(table.v_error[i]) == set(V_TYPES)
+        assert all(e >= 0 and e == e for e in (*table.k_error[i].values(), *table.v_error[i].values()))
+    assert sum(e["q8_0"] for e in table.k_error) < sum(e["turbo3"] for e in table.k_error)
+    assert sum(e["turbo4"] for e in table.v_error) < sum(e["turbo2"] for e in table.v_error)
+    p = table.allocate(4.0)
+    assert p.bits_achieved <= 4.0
+    overrides, info = preset_policy(model, "balanced", table)
+    assert info["source"] == "calibrated" and len(overrides) == 3
+
+
+def test_average_bits_is_the_stored_bits_per_value():
+    """The budget's average = bytes x 8 / values of real packed storage at ctx tokens, layers of
+    different heads / head_dim / sliding window (ctx - 1 rows; a sliding layer window - 1)."""
+    from polykv.hf.kv_cache import LayerLayout
+
+    layout = [LayerLayout(0, 1, 64, None), LayerLayout(1, 3, 128, 512), LayerLayout(2, 2, 32, None),
+              LayerLayout(3, 4, 256, 1024)]
+    ctx = 2048
+    table = PrecisionTable(bits=layer_bits(layout, set(K_TYPES) | set(V_TYPES)), weight=layer_weights(layout, ctx),
+                           k_error=[{}] * 4, v_error=[{}] * 4)
+    types = [("q8_0", "turbo2"), ("turbo3", "turbo4"), ("turbo4", "turbo3"), ("q8_0", "turbo4")]
+    nbytes = values = 0
+    for lay, (k, v) in zip(layout, types):
+        rows = ctx - 1 if lay.sliding_window is None else lay.sliding_window - 1
+        for t in (k, v):
+            nbytes += get_codec(t, lay.head_dim).empty((1, lay.num_kv_heads, rows)).nbytes()
+            values += lay.num_kv_heads * rows * lay.head_dim
+    assert abs(table.average_bits(types) - nbytes * 8 / values) < 1e-12
