@@ -202,6 +202,7 @@ def ruler(task: str = typer.Option("niah", "--task", help="niah, vt or codes (ra
           text: Optional[Path] = typer.Option(None, "--text", help="filler text file (default: Pride and "
                                               "Prejudice; not for codes)"),
           innerq: Optional[str] = typer.Option(None, "--innerq", help=INNERQ_HELP),
+          precision: str = typer.Option("auto", "--precision", help=PRECISION_HELP),
           threads: Optional[int] = typer.Option(None, "--threads"),
           device: Optional[str] = typer.Option(None, "--device", help=DEVICE_HELP),
           details: bool = typer.Option(False, "--details", help="add every sample's answers (field: items)"),
@@ -211,6 +212,7 @@ def ruler(task: str = typer.Option("niah", "--task", help="niah, vt or codes (ra
     """RULER-style niah / vt / codes (fields: score, score_ref, samples; codes add by_ctx, by_kind)."""
     from .ruler import TASKS, eval_ruler, make_samples
 
+    k_arg, v_arg = k, v
     k, v, iq = resolve_kv(preset, k, v, innerq)
     if task not in TASKS:
         raise typer.BadParameter(f"unknown task {task!r}; valid tasks: {', '.join(TASKS)}")
@@ -221,12 +223,14 @@ def ruler(task: str = typer.Option("niah", "--task", help="niah, vt or codes (ra
             raise typer.BadParameter(str(e)) from None
     ref = json.loads(reference.read_text(encoding="utf-8")) if reference is not None else None
     m, tok = _load(model, threads, device)
+    ov, info = preset_overrides(m, preset, k_arg, v_arg, precision)
     try:
         r = eval_ruler(m, tok, task, ctx, k, v, samples, seed, innerq=iq, text=text, details=details,
-                       reference=ref)
+                       reference=ref, overrides=ov)
     except ValueError as e:
         raise typer.BadParameter(str(e)) from None
     r["preset"] = preset
+    r["precision"] = info
     _emit(r, as_json, lambda r: _kv_table(f"ruler {task} @ {r['ctx']} K {k} / V {v}", r,
                                           ["score", "score_ref", "samples", "seconds"]))
 
@@ -245,6 +249,7 @@ def tiers(ctx: int = typer.Option(2048, "--ctx"),
           no_ppl: bool = typer.Option(False, "--no-ppl", help="skip the perplexity / bytes columns"),
           limit: Optional[int] = typer.Option(None, "--limit", help="use only the first N prompts"),
           max_new_tokens: int = typer.Option(24, "--max-new-tokens"),
+          precision: str = typer.Option("auto", "--precision", help="named presets: " + PRECISION_HELP),
           markdown: bool = typer.Option(False, "--markdown", help="print a Markdown table"),
           threads: Optional[int] = typer.Option(None, "--threads"),
           device: Optional[str] = typer.Option(None, "--device", help=DEVICE_HELP),
@@ -262,7 +267,8 @@ def tiers(ctx: int = typer.Option(2048, "--ctx"),
     plist = load_prompts(prompts)[:limit] if limit else prompts
     r = eval_tiers(m, tok, ctx=ctx, text=text, windows=windows, prompts=plist, presets=rows,
                    keep_layers_q8=keep_layers_q8, equiv=not no_equiv, ppl=not no_ppl,
-                   max_new_tokens=max_new_tokens)
+                   max_new_tokens=max_new_tokens,
+                   precision=None if precision.lower() == "none" else precision)
     if markdown and not as_json:
         sys.stdout.write(to_markdown(r) + "\n")
         return

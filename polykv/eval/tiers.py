@@ -59,13 +59,18 @@ def calibration_table(model, tok, text=None, tokens: int = INNERQ_CALIB_TOKENS, 
 def eval_tiers(model, tok, ctx: int = 2048, text=None, windows: int | None = None, prompts=None,
                presets=None, keep_layers_q8: int = 0, equiv: bool = True, innerq=None,
                max_new_tokens: int = 24, progress: bool = True, ppl: bool = True,
-               on_row=None) -> dict:
+               on_row=None, precision="auto") -> dict:
     """One row per preset: {k, v, innerq, preset, bits_per_value, kv_bytes, ppl, ppl_delta_pct, mean_tv,
     p95_tv, real_frac, recall_mismatch, verdict}. presets: (k, v, innerq[, name]) tuples (default:
     PRESETS; `named_presets` builds them from polykv.presets names). bits_per_value / kv_bytes are measured from the
     cache tensors after a ctx-token window (kv_bytes: allocated storage, compacted).
     innerq: a table for the InnerQ rows (default: calibrated on the end of the corpus).
-    ppl / equiv: compute those columns (the other ones are None); on_row(row): called per row."""
+    ppl / equiv: compute those columns (the other ones are None); on_row(row): called per row.
+    precision: for named balanced / max rows, as KVCache(preset=...): "auto" = per-layer types from
+    the model's calibrated precision table when one exists, None = the fixed types, or a table path;
+    row["precision"] says which ("calibrated" / "fixed"; None for unnamed rows)."""
+    from ..hf.precision import preset_policy
+
     t0 = time.time()
     presets = PRESETS if presets is None else presets
     n_win = default_windows(ctx) if windows is None else windows
@@ -85,14 +90,19 @@ def eval_tiers(model, tok, ctx: int = 2048, text=None, windows: int | None = Non
     rows = []
     for k, v, iq, *name in presets:
         row = {"k": k, "v": v, "innerq": bool(iq), "label": preset_label(k, v, iq),
-               "preset": name[0] if name else None}
+               "preset": name[0] if name else None, "precision": None}
+        ov = None
+        if name and name[0]:
+            ov, info = preset_policy(model, name[0], precision)
+            row["precision"] = info["source"]
         if ppl and (k, v, iq) == ("f16", "f16", False) and not keep_layers_q8:
             r = ref  # the reference run is this row
             row.update({"bits_per_value": r["bits_per_value"], "kv_bytes": r["kv_bytes"], "ppl": r["ppl"],
                         "ppl_delta_pct": 0.0})
         elif ppl:
             r = eval_ppl(model, tok, k, v, ctx, text, n_win, innerq=table if iq else None,
-                         keep_layers_q8=keep_layers_q8, progress=progress, ppl_ref=ref["ppl"])
+                         keep_layers_q8=keep_layers_q8, progress=progress, ppl_ref=ref["ppl"],
+                         overrides=ov)
             row.update({"bits_per_value": r["bits_per_value"], "kv_bytes": r["kv_bytes"], "ppl": r["ppl"],
                         "ppl_delta_pct": r["delta_pct"]})
         else:
@@ -100,7 +110,7 @@ def eval_tiers(model, tok, ctx: int = 2048, text=None, windows: int | None = Non
         if equiv:
             e = eval_equiv(model, tok, k, v, innerq=table if iq else None,
                            keep_layers_q8=keep_layers_q8, max_new_tokens=max_new_tokens,
-                           progress=progress, refs=refs)
+                           progress=progress, refs=refs, overrides=ov)
             row.update({"mean_tv": e["mean_tv"], "p95_tv": e["p95_tv"], "real_frac": e["real_frac"],
                         "recall_mismatch": e["recall_mismatch"], "verdict": e["verdict"]})
         else:
@@ -125,6 +135,8 @@ def to_markdown(result: dict) -> str:
              "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---|"]
     for r in result["rows"]:
         k = r["k"] + (" +InnerQ" if r.get("innerq") else "") + (f" ({r['preset']})" if r.get("preset") else "")
+        if r.get("precision") == "calibrated":
+            k += ", calibrated per layer"
         lines.append(
             f"| {k} | {r['v']} | {_fmt(r['bits_per_value'], '.3f')} | {_fmt(r['kv_bytes'], ',d')} | "
             f"{_fmt(r.get('ppl'), '.3f')} | {_fmt(r['ppl_delta_pct'], '+.2f')} | {_fmt(r['mean_tv'], '.4f')} | "

@@ -29,19 +29,20 @@ def cache_dir(tmp_path, monkeypatch):
 def test_calibrate_bits_then_preset(tiny_dir, cache_dir):
     from polykv.cli import app
 
-    r = run_json(["calibrate", "--model", tiny_dir, "--bits", "3.1", "--scored-tokens", "64",
+    r = run_json(["calibrate", "--model", tiny_dir, "--bits", "3.6", "--scored-tokens", "64",
                   "--prefix-tokens", "256"])
     # the fields calibrate always had
     assert set(r) >= {"path", "model", "layers_scaled", "tokens"} and r["tokens"] == 2048
     assert Path(r["path"]).exists() and Path(r["path"]).parent == cache_dir / "innerq"
     # the policy's
-    assert r["bits_target"] == 3.1 and 2.5 < r["bits_achieved"] <= 3.1
+    # head_dim 32: the cheapest pair (turbo3 / turbo2) is 3.0 bits/value, one upgrade costs 0.25
+    assert r["bits_target"] == 3.6 and 3.0 < r["bits_achieved"] <= 3.6
     assert [row["layer"] for row in r["layer_types"]] == [0, 1]
     assert all(row["k"] in ("turbo3", "turbo4", "q8_0") and row["v"] in ("turbo2", "turbo3", "turbo4")
                for row in r["layer_types"])
     saved = json.loads(Path(r["precision_path"]).read_text())
     assert Path(r["precision_path"]).parent == cache_dir / "innerq"
-    assert saved["policies"]["3.1"]["types"] == [[row["k"], row["v"]] for row in r["layer_types"]]
+    assert saved["policies"]["3.6"]["types"] == [[row["k"], row["v"]] for row in r["layer_types"]]
     assert saved["prefix"] == 256 and saved["tokens"] == 320
 
     # eval ppl --preset max finds it (and --precision none does not use it)
@@ -50,6 +51,17 @@ def test_calibrate_bits_then_preset(tiny_dir, cache_dir):
                       "--precision", precision])
         assert e["precision"]["source"] == source, e["precision"]
         assert e["ppl"] > 0
+    # tiers: the named preset's row says calibrated, its measured bits are the allocation's
+    t = run_json(["eval", "tiers", "--model", tiny_dir, "--preset", "balanced", "--ctx", "64", "--windows", "1",
+                  "--limit", "1", "--max-new-tokens", "2"])
+    row = [r for r in t["rows"] if r["preset"] == "balanced"][0]
+    assert row["precision"] == "calibrated" and row["verdict"] in ("PASS", "FAIL")
+    from polykv.hf.precision import PrecisionTable
+    from polykv.presets import PRESETS
+
+    want = PrecisionTable.load(r["precision_path"]).allocate(PRESETS["balanced"].bits)
+    assert set(want.types) != {("turbo4", "turbo3")}  # else the check below could not tell
+    assert abs(row["bits_per_value"] - want.bits_achieved) < 1e-9
     # a budget below the cheapest types is refused with a message
     res = CliRunner().invoke(app, ["calibrate", "--model", tiny_dir, "--bits", "1.0", "--scored-tokens", "8",
                                    "--prefix-tokens", "16", "--json"])
