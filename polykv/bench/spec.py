@@ -16,6 +16,9 @@ tok_s = new tokens / wall seconds of `pool.generate` (median over repeats), for 
 Rows (DESIGN §6): {workload, method, agents, tokens_per_step, acceptance, tok_s, tok_s_baseline,
 speedup, identical, steps, steps_baseline, drafted, accepted, new_tokens, seconds, seconds_baseline}.
 tokens_per_step: tokens emitted per agent per verify forward; steps: batch forwards of the loop.
+Diagnostics beside them: step_ms / step_ms_baseline (median ms of a step by its widest draft count,
+0 = plain; from `pool.last_generate["step_ms"]`) and graph_captures / graph_captures_baseline (CUDA
+graphs the batch captured: each costs warm-up forwards and a capture, per bucket and width).
 The document's outputs tree (`suffix_tree`) is emptied before every run.
 `identical` in default numerics compares two different forward shapes (docs/speculative.md: plain
 decoding itself changes answers with the batch size); `row_invariant=True` runs both sides with
@@ -143,7 +146,12 @@ def _bench(model, tok, text, agents, workloads, methods, num_draft_tokens, max_n
                            tok_s=new / _median(spec_s), tok_s_baseline=new / _median(base_s),
                            identical=same, steps=sp["steps"], steps_baseline=base["steps"],
                            verify_steps=st["steps"], drafted=st["drafted"], accepted=st["accepted"],
-                           new_tokens=new, seconds=_median(spec_s), seconds_baseline=_median(base_s))
+                           new_tokens=new, seconds=_median(spec_s), seconds_baseline=_median(base_s),
+                           # where a verify step's time goes (the last timed run of each side): step
+                           # ms by draft width (0 = plain decode) and the batch's graph captures
+                           step_ms=sp["step_ms"]["by_width"], step_ms_baseline=base["step_ms"]["by_width"],
+                           graph_captures=sp["graph_captures"],
+                           graph_captures_baseline=base["graph_captures"])
                 row["speedup"] = row["tok_s"] / row["tok_s_baseline"] if row["tok_s_baseline"] else 0.0
                 rows.append(row)
                 log(f"{wl:9s} {method:13s} agents {n:3d}: {row['tok_s']:.1f} vs {row['tok_s_baseline']:.1f} tok/s "

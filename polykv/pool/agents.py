@@ -82,6 +82,12 @@ class AgentBatch:
             if graphs_supported(self.cache):
                 self._graphs = DecodeGraphs(pool.model, self.cache, pool._pad_id)
 
+    @property
+    def graph_captures(self) -> int:
+        """Decode / verify steps this batch captured (CUDA graphs; each costs warm-up forwards plus
+        the capture, once per batch bucket and width). 0 without captured steps."""
+        return self._graphs.captures if self._graphs is not None else 0
+
     # --- agents ------------------------------------------------------------------------------
     def add(self, prompt_ids: list[int]) -> int:
         """Add an agent whose suffix is `prompt_ids` (token ids after the document; at least one).

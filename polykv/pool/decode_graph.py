@@ -62,6 +62,7 @@ class DecodeGraphs:
         self._graphs: dict[tuple[int, int], _Captured] = {}  # (bucket, n_q) -> step
         self._version = cache.storage_version
         self._mempool = None
+        self.captures = 0  # steps built so far (captured graphs, or static eager steps)
 
     def run(self, tokens: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
         """One decode step of the agents in slots 0..len(tokens)-1, token tokens[g] for slot g.
@@ -160,4 +161,5 @@ class DecodeGraphs:
             step()  # allocates the outputs the later calls overwrite
         cap = _Captured(graph, step, host, inp, out)
         self._graphs[(B, n_q)] = cap
+        self.captures += 1
         return cap

@@ -24,6 +24,7 @@ Lifecycle
 from __future__ import annotations
 
 import hashlib
+import statistics
 import threading
 import time
 import warnings
@@ -570,14 +571,18 @@ class SharedKVPool:
             outs = {a: [] for a in aids}
             live = set(aids) if max_new_tokens > 0 else set()
             drafted: dict[int, int] = {}
+            step_s: list[tuple[int, float]] = []  # (widest draft count, seconds) per step
             while live:
+                t_step = time.perf_counter()
+                width = max(drafted.values(), default=0)
                 if spec is None:
                     chosen = {a: [t] for a, t in batch.step_tokens().items()}
                 else:
-                    t_step = time.perf_counter()
                     chosen = batch.step_verify()
+                step_s.append((width, time.perf_counter() - t_step))  # each step ends in a copy to the host
+                if spec is not None:
                     if steps:  # decode steps only (the first step prefills the prompts)
-                        spec.observe_step(max(drafted.values(), default=0), time.perf_counter() - t_step)
+                        spec.observe_step(width, step_s[-1][1])
                     spec.step_done(any(drafted.values()))
                 steps += 1
                 feed, drafts = {}, {}
@@ -610,6 +615,7 @@ class SharedKVPool:
                 batch.feed(feed)
                 drafted = {a: len(d) for a, d in drafts.items() if d}
                 batch.feed_drafts({a: d for a, d in drafts.items() if d})
+            captures = batch.graph_captures
         texts = []
         for a in aids:
             s = self.tok.decode(outs[a], skip_special_tokens=True)
@@ -618,7 +624,8 @@ class SharedKVPool:
         self.last_generate = dict(agents=len(prompts), steps=steps, suffix_tokens=[len(s) for s in suffixes],
                                   new_tokens=[len(outs[a]) for a in aids], kv_bytes_agents_peak=peak,
                                   suffix_ids=suffixes, answer_ids=[list(outs[a]) for a in aids],
-                                  seconds=time.perf_counter() - t0)
+                                  seconds=time.perf_counter() - t0, graph_captures=captures,
+                                  step_ms=_step_ms(step_s))
         if spec is not None:
             self.last_generate["speculative"] = dict(spec.stats(), method=spec_cfg.method,
                                                      num_draft_tokens=spec_cfg.num_draft_tokens)
@@ -680,3 +687,14 @@ class SharedKVPool:
         with pool._lock:  # a save holds every resident document in the GPU form: fit the budgets
             pool._enforce_budget()
         return pool
+
+
+def _step_ms(step_s: list[tuple[int, float]]) -> dict:
+    """`generate`'s step times: the first step (the prompts' prefill) and the median of the later
+    ones by width (the widest draft count verified in the step; 0 = plain decode), in ms."""
+    by: dict[int, list[float]] = {}
+    for w, t in step_s[1:]:
+        by.setdefault(w, []).append(t)
+    return dict(first=step_s[0][1] * 1e3 if step_s else 0.0,
+                by_width={w: statistics.median(ts) * 1e3 for w, ts in sorted(by.items())},
+                count_by_width={w: len(ts) for w, ts in sorted(by.items())})

@@ -19,6 +19,9 @@ def test_bench_spec_cpu_smoke_json(tiny_dir, tmp_path):  # noqa: F811
         for key in ("tokens_per_step", "acceptance", "tok_s", "tok_s_baseline", "speedup"):
             assert finite(r[key]), (key, r)
         assert r["identical"] is True and r["agents"] == 2 and r["tok_s"] > 0
+        # diagnostics: plain steps only on the baseline side, CPU steps are never captured
+        assert set(r["step_ms_baseline"]) == {"0"} and r["step_ms_baseline"]["0"] > 0
+        assert r["graph_captures"] == r["graph_captures_baseline"] == 0
     assert json.loads(out.read_text())["rows"] == rows
     assert obj["row_invariant"] is True and obj["device"] == "cpu"
 

@@ -199,9 +199,32 @@ def test_verify_step_through_the_static_graph_matches_eager(setup):
             logits, _ = b._forward(group, keep=4)
             if static:
                 assert set(k for k in b._graphs._graphs if k[1] > 1) == {(4, 4)}
+                assert b.graph_captures == len(b._graphs._graphs) >= 1  # one per (bucket, width)
+            else:
+                assert b.graph_captures == 0
             out.append((logits.float(), b.cache.lens[:3].clone()))
     (le, ne), (ls, ns) = out
     assert torch.equal(ne, ns)
     for g, d in enumerate(drafts):
         real = slice(4 - len(d) - 1, 4)
         torch.testing.assert_close(ls[g, real], le[g, real], rtol=1e-4, atol=1e-4)
+
+
+def test_generate_reports_step_times_by_draft_width(setup):
+    """last_generate["step_ms"]: the prefill step apart, then the median step time per widest draft
+    count (0 = plain decode) over every later step; graph_captures counts the batch's captured steps
+    (none on the CPU). The speculative bench reads both to say what a verify step costs."""
+    model, pool, doc = setup
+    pool.generate(doc, PROMPTS, max_new_tokens=12)
+    lg = pool.last_generate
+    assert lg["step_ms"]["first"] > 0 and set(lg["step_ms"]["by_width"]) == {0}
+    assert sum(lg["step_ms"]["count_by_width"].values()) == lg["steps"] - 1
+    assert lg["graph_captures"] == 0
+    pool.generate(doc, PROMPTS, max_new_tokens=12,
+                  speculative={"method": "prompt_lookup", "num_draft_tokens": 3, "adaptive": False})
+    lg = pool.last_generate
+    counts = lg["step_ms"]["count_by_width"]
+    assert sum(counts.values()) == lg["steps"] - 1
+    assert 1 <= max(counts) <= 3
+    assert sum(n for w, n in counts.items() if w) == lg["speculative"]["steps"]  # the verify forwards
+    assert all(ms > 0 for ms in lg["step_ms"]["by_width"].values())
