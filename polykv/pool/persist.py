@@ -234,7 +234,7 @@ def save_pool(pool, path) -> None:
         save_file(tensors, str(tmp / TENSORS), metadata={"format": FORMAT, "version": str(VERSION)})
         _fsync_file(tmp / TENSORS)
         manifest = dict(format=FORMAT, version=VERSION, model_fingerprint=mfp, tokenizer_fingerprint=tfp,
-                        codec=dict(k=pool.k_type, v=pool.v_type, innerq_sha256=innerq_sha256(pool.innerq)),
+                        codec=_codec_field(pool),
                         documents=docs,
                         files={TENSORS: dict(bytes=(tmp / TENSORS).stat().st_size,
                                              sha256=_file_sha256(tmp / TENSORS))})
@@ -316,6 +316,22 @@ def _check_hex(v, where: str, nullable: bool = False):
     return v
 
 
+def _codec_field(pool) -> dict:
+    """The manifest's codec object: the pool's K / V pair, its InnerQ table's digest, and (only when
+    some layer differs from the pair) every layer's [k, v]."""
+    out = dict(k=pool.k_type, v=pool.v_type, innerq_sha256=innerq_sha256(pool.innerq))
+    if any(t != (pool.k_type, pool.v_type) for t in pool.layer_types):
+        out["layers"] = [list(t) for t in pool.layer_types]
+    return out
+
+
+def _layer_types(codec: dict, layout) -> list[tuple[str, str]]:
+    """Per-layer (k, v) of a manifest's codec object (the pair for every layer without "layers")."""
+    if "layers" in codec:
+        return [tuple(p) for p in codec["layers"]]
+    return [(codec["k"], codec["v"])] * len(layout)
+
+
 def _check_keys(obj, want: set, where: str) -> None:
     if not isinstance(obj, dict):
         _fail(where, f"must be a JSON object, got {_show(obj)}")
@@ -331,12 +347,20 @@ def _validate_manifest(m: dict, mpath: Path, layout) -> None:
     _check_hex(m["model_fingerprint"], f"{w}: model_fingerprint")
     _check_hex(m["tokenizer_fingerprint"], f"{w}: tokenizer_fingerprint")
     codec = m["codec"]
-    _check_keys(codec, {"k", "v", "innerq_sha256"}, f"{w}: codec")
+    _check_keys(codec, {"k", "v", "innerq_sha256"} | ({"layers"} if "layers" in codec else set()),
+                f"{w}: codec")
     for kv in ("k", "v"):
         if not isinstance(codec[kv], str) or codec[kv] not in CODEC_NAMES:
             _fail(f"{w}: codec.{kv}", f"must be one of {', '.join(CODEC_NAMES)}, got {_show(codec[kv])}")
+    if "layers" in codec:  # per-layer types (a calibrated preset): one [k, v] pair per layer
+        lt = codec["layers"]
+        if not isinstance(lt, list) or len(lt) != len(layout) or not all(
+                isinstance(p, list) and len(p) == 2 and all(isinstance(t, str) and t in CODEC_NAMES for t in p)
+                for p in lt):
+            _fail(f"{w}: codec.layers", f"must be {len(layout)} [k, v] pairs of {', '.join(CODEC_NAMES)}, "
+                  f"got {_show(lt)}")
     _check_hex(codec["innerq_sha256"], f"{w}: codec.innerq_sha256", nullable=True)
-    if codec["innerq_sha256"] is not None and not codec["k"].startswith("turbo"):
+    if codec["innerq_sha256"] is not None and not any(k.startswith("turbo") for k, _ in _layer_types(codec, layout)):
         _fail(f"{w}: codec.innerq_sha256", f"an InnerQ table is only stored for turbo K, K is {codec['k']}")
     files = m["files"]
     _check_keys(files, {TENSORS}, f"{w}: files")
@@ -456,8 +480,9 @@ def _load_generation(cls, gdir: Path, model, tok, kwargs):
     # --- tensors against the manifest, the model's KV layout and the codecs ---------------------
     codec = m["codec"]
     k_type, v_type = codec["k"], codec["v"]
+    types = _layer_types(codec, layout)
     try:
-        codecs = [(get_codec(k_type, s.head_dim), get_codec(v_type, s.head_dim)) for s in layout]
+        codecs = [(get_codec(kt, s.head_dim), get_codec(vt, s.head_dim)) for s, (kt, vt) in zip(layout, types)]
     except CodecError as e:
         _fail(f"{mpath}: codec", f"cannot hold this model's KV: {e}")
     expected = set()
@@ -526,7 +551,8 @@ def _load_generation(cls, gdir: Path, model, tok, kwargs):
         _fail(str(tpath), "InnerQ table does not match innerq_sha256 in the manifest")
 
     # --- build ---------------------------------------------------------------------------------
-    pool = cls(model, tok, k=k_type, v=v_type, innerq=innerq, **kwargs)
+    overrides = {i: tuple(t) for i, t in enumerate(types) if tuple(t) != (k_type, v_type)}
+    pool = cls(model, tok, k=k_type, v=v_type, innerq=innerq, overrides=overrides or None, **kwargs)
     for d, ids, packed, ngram in docs:
         if ngram is None:  # saved without an index: rebuild it from the ids
             from ..spec import NgramIndex

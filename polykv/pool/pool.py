@@ -92,6 +92,11 @@ class SharedKVPool:
         forward without a polykv cache).
     k, v: KV storage types (`polykv.codecs.CODEC_NAMES`), shared prefix and agent suffixes alike;
         they override `preset` ("default" = K q8_0 / V turbo3, "balanced", "max": polykv.presets).
+    overrides: {layer_index: (k, v)} per-layer types (`layer_types` lists every layer's pair).
+    precision: for preset="balanced" / "max" without k= / v= / overrides=: "auto" (default) takes
+        per-layer types from the model's calibrated precision table when one exists (`polykv
+        calibrate --bits`, polykv.hf.precision), None keeps the preset's fixed pair, or a table path /
+        PrecisionTable; `self.precision` (and memory_report()["precision"]) says which.
     device: where the compressed KV lives (default: the model's device).
     budget_bytes: the old name of gpu_budget_bytes (same meaning; give one, or both equal).
     gpu_budget_bytes: bound on GPU-tier bytes — GPU-tier shared prefixes plus the suffix pages (and
@@ -114,12 +119,21 @@ class SharedKVPool:
                  budget_bytes: int | None = None, innerq=None, prefill_chunk: int | None = None,
                  progress: bool | None = None, preset: str | None = None,
                  gpu_budget_bytes: int | None = None, host_budget_bytes: int | None = None,
-                 stream_chunk_rows: int = 4096):
+                 stream_chunk_rows: int = 4096, overrides: dict[int, tuple[str, str]] | None = None,
+                 precision="auto"):
         from ..hf.attention import use_polykv_attention
         from ..hf.layout import kv_layout
         from ..presets import resolve
 
+        explicit = k is not None or v is not None
         k, v, innerq = resolve(preset, k, v, innerq)
+        self.precision = None  # as KVCache.precision: calibrated or fixed types of a preset
+        if preset is not None and not explicit and not overrides:
+            from ..hf.precision import preset_policy
+
+            overrides, self.precision = preset_policy(model, str(preset), precision)
+        elif preset is not None:
+            self.precision = {"source": "fixed", "reason": "explicit k= / v= / overrides="}
 
         self.model, self.tok = model, tok
         self.k_type, self.v_type = check_codec_name(k), check_codec_name(v)
@@ -139,7 +153,13 @@ class SharedKVPool:
         self.progress = progress
         self.layout = kv_layout(model)
         self._windows = [s.sliding_window for s in self.layout]
-        if innerq == "auto" and not str(k).startswith("turbo"):
+        # per-layer (K, V) types: the pool's pair, or `overrides` {layer: (k, v)} (a calibrated preset)
+        self.layer_types = [tuple(overrides[s.index]) if overrides and s.index in overrides else (self.k_type, self.v_type)
+                            for s in self.layout]
+        for kt, vt in self.layer_types:
+            check_codec_name(kt), check_codec_name(vt)
+        turbo_k = any(kt.startswith("turbo") for kt, _ in self.layer_types)
+        if innerq == "auto" and not turbo_k:
             innerq = None  # InnerQ applies to turbo keys only: no fingerprint, no table lookup
         if innerq == "auto":  # the table calibrated for this model, when there is one
             from ..hf.fingerprint import innerq_path
@@ -148,9 +168,9 @@ class SharedKVPool:
             innerq = path if path.exists() else None
         if innerq is not None and not isinstance(innerq, InnerQTable):
             innerq = InnerQTable.load(innerq)
-        self.innerq = innerq if (innerq is not None and self.k_type.startswith("turbo")) else None
-        for s in self.layout:  # fail early on unsupported head_dim
-            get_codec(self.k_type, s.head_dim), get_codec(self.v_type, s.head_dim)
+        self.innerq = innerq if (innerq is not None and turbo_k) else None
+        for s, (kt, vt) in zip(self.layout, self.layer_types):  # fail early on unsupported head_dim
+            get_codec(kt, s.head_dim), get_codec(vt, s.head_dim)
         use_polykv_attention(model)
         self._lock = threading.RLock()
         self._docs: dict[str, _Document] = {}
@@ -366,10 +386,11 @@ class SharedKVPool:
     # --- prefill -----------------------------------------------------------------------------
     def _new_layers(self, batch: int = 1) -> list[CompressedLayer]:
         out = []
-        for s in self.layout:
-            scales = self.innerq.layer(s.index) if self.innerq is not None else None
-            out.append(CompressedLayer.for_types(self.k_type, self.v_type, s.head_dim, batch,
-                                                 s.num_kv_heads, self.device, scales))
+        for s, (kt, vt) in zip(self.layout, self.layer_types):
+            # InnerQ scales turbo keys only (as KVCache): a calibrated preset mixes q8_0 K layers in
+            scales = self.innerq.layer(s.index) if self.innerq is not None and kt.startswith("turbo") else None
+            out.append(CompressedLayer.for_types(kt, vt, s.head_dim, batch, s.num_kv_heads, self.device,
+                                                 scales))
         return out
 
     def _add_document_with_f16(self, text_or_ids, name: str | None = None, chat_template=None):
@@ -664,7 +685,7 @@ class SharedKVPool:
                         documents=len(self._docs), resident_documents=len(docs),
                         open_batches=len(batches), agents=sum(len(b) for b in batches),
                         kv_bytes_agents_peak=max(self.peak_agent_bytes, agents),
-                        k=self.k_type, v=self.v_type,
+                        k=self.k_type, v=self.v_type, precision=self.precision,
                         naive_basis="one measured f16 DynamicCache per document (single agent)")
 
     # --- persistence -------------------------------------------------------------------------

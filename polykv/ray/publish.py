@@ -51,7 +51,8 @@ def _one_doc_pool(pool, doc_id: str):
     d = pool._doc(doc_id)
     if not d.resident:
         raise ValueError(f"document {doc_id!r} is evicted (token ids only): nothing to publish")
-    sub = SharedKVPool(pool.model, pool.tok, k=pool.k_type, v=pool.v_type, device=pool.device, innerq=pool.innerq)
+    sub = SharedKVPool(pool.model, pool.tok, k=pool.k_type, v=pool.v_type, device=pool.device, innerq=pool.innerq,
+                       overrides=dict(enumerate(pool.layer_types)))
     sub._docs[doc_id] = d  # the same _Document: its layers are read, not copied
     return sub
 
@@ -106,11 +107,12 @@ def import_document(pool, source) -> list[str]:
     from ..pool.pool import PoolFormatError
 
     loaded = _load(pool, source)
-    if (loaded.k_type, loaded.v_type) != (pool.k_type, pool.v_type) or \
-            innerq_sha256(loaded.innerq) != innerq_sha256(pool.innerq):
+    if loaded.layer_types != pool.layer_types or innerq_sha256(loaded.innerq) != innerq_sha256(pool.innerq):
         raise PoolFormatError(f"published document uses K {loaded.k_type} / V {loaded.v_type} "
                               f"(InnerQ {innerq_sha256(loaded.innerq)}); this pool holds K {pool.k_type} / "
-                              f"V {pool.v_type} (InnerQ {innerq_sha256(pool.innerq)})")
+                              f"V {pool.v_type} (InnerQ {innerq_sha256(pool.innerq)})"
+                              + ("" if (loaded.k_type, loaded.v_type) != (pool.k_type, pool.v_type)
+                                 else " with other per-layer types"))
     ids = []
     with pool._lock:
         for did, d in loaded._docs.items():

@@ -30,10 +30,11 @@ def _store_has_pool(store: str | os.PathLike) -> bool:
 
 
 def build_pool(model, tok, *, k: str = "q8_0", v: str = "turbo3", store=None, budget_bytes=None, device=None,
-               innerq=None, host_budget_bytes=None):
+               innerq=None, host_budget_bytes=None, preset: str | None = None):
     """SharedKVPool (loaded from `store` when it holds a saved pool); DensePool if the shared pool is
     not importable. budget_bytes: the GPU-tier budget (`gpu_budget_bytes`); host_budget_bytes: the
-    host tier's (None: no host tier)."""
+    host tier's (None: no host tier). preset: the pool takes the preset's per-layer types from the
+    model's calibrated precision table when one exists (k / v are then the preset's pair)."""
     try:
         from ..pool import SharedKVPool
     except ImportError as exc:  # pragma: no cover - only while the pool package is incomplete
@@ -44,12 +45,13 @@ def build_pool(model, tok, *, k: str = "q8_0", v: str = "turbo3", store=None, bu
     if store is not None and _store_has_pool(store):
         return SharedKVPool.load(str(store), model, tok, gpu_budget_bytes=budget_bytes,
                                  host_budget_bytes=host_budget_bytes)
-    return SharedKVPool(model, tok, k=k, v=v, device=device, budget_bytes=budget_bytes, innerq=innerq,
-                        host_budget_bytes=host_budget_bytes)
+    types = dict(preset=preset) if preset is not None else dict(k=k, v=v)
+    return SharedKVPool(model, tok, device=device, budget_bytes=budget_bytes, innerq=innerq,
+                        host_budget_bytes=host_budget_bytes, **types)
 
 
 def _make_app(model=None, k="q8_0", v="turbo3", store=None, budget_bytes=None, innerq=None,
-              host_budget_bytes=None, **app_kw):
+              host_budget_bytes=None, preset=None, **app_kw):
     from ..hf.loading import load_model
     from .app import create_app
 
@@ -58,7 +60,7 @@ def _make_app(model=None, k="q8_0", v="turbo3", store=None, budget_bytes=None, i
     if store is not None:
         Path(store).mkdir(parents=True, exist_ok=True)
     pool = build_pool(m, tok, k=k, v=v, store=store, budget_bytes=budget_bytes, innerq=innerq,
-                      host_budget_bytes=host_budget_bytes)
+                      host_budget_bytes=host_budget_bytes, preset=preset)
     return create_app(pool, model_name=str(name), k=k, v=v, store=str(store) if store else None, **app_kw)
 
 
@@ -99,9 +101,10 @@ def serve(host: str = "127.0.0.1", port: int = 8000, model: str | None = None, k
         app_kw["max_body_bytes"] = max_body_bytes
     from ..presets import resolve
 
+    named = preset if (k is None and v is None) else None  # explicit --k / --v: fixed types
     k, v, innerq = resolve(preset, k, v)
     app = _make_app(model=model, k=k, v=v, store=store, budget_bytes=budget_bytes, innerq=innerq,
-                    host_budget_bytes=host_budget_bytes,
+                    host_budget_bytes=host_budget_bytes, preset=named,
                     engine_kwargs={"num_threads": torch_threads}, **app_kw)
     uvicorn.run(app, host=host, port=port, log_level=log_level, timeout_graceful_shutdown=5)
 
