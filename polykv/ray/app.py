@@ -49,6 +49,7 @@ def build_app(*, replicas: int = 2, cpus_per_replica: float = 1, torch_threads: 
     from .ingress import PolykvIngress
     from .replica import Replica
 
+    named = preset if (k is None and v is None) else None  # as `polykv serve`: calibrated types by name
     k, v, innerq = resolve(preset, k, v)
     threads = int(torch_threads) if torch_threads else max(1, int(cpus_per_replica))
     name = str(model or "smollm2-135m")
@@ -59,7 +60,7 @@ def build_app(*, replicas: int = 2, cpus_per_replica: float = 1, torch_threads: 
         Replica, name=REPLICA_NAME, num_replicas=int(replicas), max_ongoing_requests=int(max_ongoing_requests),
         ray_actor_options={"num_cpus": cpus_per_replica}, health_check_period_s=health_check_period_s,
         health_check_timeout_s=health_check_timeout_s, graceful_shutdown_timeout_s=5,
-    ).bind(model=model, model_name=name, k=k, v=v, innerq=innerq, budget_bytes=budget_bytes,
+    ).bind(model=model, model_name=name, k=k, v=v, preset=named, innerq=innerq, budget_bytes=budget_bytes,
            host_budget_bytes=host_budget_bytes, torch_threads=threads, store=store, max_agents=max_agents,
            ingress=INGRESS_NAME, app_name=app_name)
     kw = {"max_body_bytes": max_body_bytes} if max_body_bytes is not None else {}

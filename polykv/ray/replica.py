@@ -44,7 +44,7 @@ REPORT_EVERY_S = 1.0
 
 class Replica:
     async def __init__(self, *, model: str | None = None, model_name: str = "smollm2-135m", k: str = "q8_0",
-                       v: str = "turbo3", innerq=None, budget_bytes: int | None = None,
+                       v: str = "turbo3", preset: str | None = None, innerq=None, budget_bytes: int | None = None,
                        host_budget_bytes: int | None = None, torch_threads: int | None = None,
                        store: str | None = None, max_agents: int = 64, ingress: str = "PolykvIngress",
                        app_name: str = "polykv"):
@@ -60,7 +60,7 @@ class Replica:
             torch.set_num_threads(int(torch_threads))
         m, tok = load_model(model)
         pool = build_pool(m, tok, k=k, v=v, budget_bytes=budget_bytes, innerq=innerq,
-                          host_budget_bytes=host_budget_bytes)
+                          host_budget_bytes=host_budget_bytes, preset=preset)
         self.app = create_app(pool, model_name=model_name, k=k, v=v,
                               engine_kwargs={"num_threads": torch_threads, "max_agents": max_agents})
         self.state = self.app.state.polykv
