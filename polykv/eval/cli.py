@@ -90,15 +90,12 @@ def preset_overrides(model, preset: Optional[str], k: Optional[str], v: Optional
                      precision: Optional[str]) -> tuple[Optional[dict], Optional[dict]]:
     """(overrides, info) for an eval command, as KVCache(model, preset=...) picks them: a preset with a
     bits budget and no explicit --k / --v takes the calibrated precision table's per-layer types."""
-    if preset is None:
-        return None, None
-    if k is not None or v is not None:
-        return None, {"source": "fixed", "reason": "explicit --k / --v"}
-    from ..hf.precision import preset_policy
+    from ..hf.precision import preset_precision
 
     p = None if precision is None or precision.lower() == "none" else precision
     try:
-        return preset_policy(model, preset, p)
+        return preset_precision(model, preset, "explicit --k / --v" if (k is not None or v is not None)
+                                else None, p)
     except (KeyError, ValueError) as e:
         raise typer.BadParameter(str(e)) from None
 

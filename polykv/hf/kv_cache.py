@@ -297,16 +297,11 @@ class KVCache(Cache):
                  overrides: dict[int, tuple[str, str]] | None = None, preset: str | None = None,
                  precision="auto"):
         from ..presets import resolve
-        from .precision import preset_policy
+        from .precision import preset_precision
 
-        explicit = k is not None or v is not None
+        fixed_by = "explicit k= / v=" if (k is not None or v is not None) else None
         k, v, innerq = resolve(preset, k, v, innerq)
-        policy, self.precision = None, None
-        if preset is not None:
-            if explicit:
-                self.precision = {"source": "fixed", "reason": "explicit k= / v="}
-            else:
-                policy, self.precision = preset_policy(model, str(preset), precision)
+        policy, self.precision = preset_precision(model, preset, fixed_by, precision)
         check_codec_name(k)
         check_codec_name(v)
         layout = model_layout(model)

@@ -378,6 +378,18 @@ def preset_policy(model, preset_name: str, precision="auto") -> tuple[dict | Non
     return pol.overrides(), info
 
 
+def preset_precision(model, preset: str | None, fixed_by: str | None, precision="auto"
+                     ) -> tuple[dict | None, dict | None]:
+    """What a cache, pool or eval command built with `preset=` stores: (None, None) without a preset;
+    the preset's fixed pair when the caller fixed types by hand (`fixed_by` says how, e.g.
+    "explicit k= / v=": info {"source": "fixed", "reason": fixed_by}); else `preset_policy`."""
+    if preset is None:
+        return None, None
+    if fixed_by:
+        return None, {"source": "fixed", "reason": fixed_by}
+    return preset_policy(model, str(preset), precision)
+
+
 def policy_summary(policy: Policy) -> dict:
     """JSON fields of a policy for the CLI: bits_target, bits_achieved, per-layer types."""
     counts: dict[str, int] = {}
@@ -391,4 +403,4 @@ def policy_summary(policy: Policy) -> dict:
 
 __all__ = ["CTX", "K_TYPES", "PREFIX_TOKENS", "SCORED_TOKENS", "V_TYPES", "Policy", "PrecisionTable",
            "calibration_ids", "layer_bits", "layer_weights", "load_precision", "measure_sensitivity",
-           "policy_summary", "precision_path", "preset_policy"]
+           "policy_summary", "precision_path", "preset_policy", "preset_precision"]

@@ -125,15 +125,14 @@ class SharedKVPool:
         from ..hf.layout import kv_layout
         from ..presets import resolve
 
-        explicit = k is not None or v is not None
-        k, v, innerq = resolve(preset, k, v, innerq)
-        self.precision = None  # as KVCache.precision: calibrated or fixed types of a preset
-        if preset is not None and not explicit and not overrides:
-            from ..hf.precision import preset_policy
+        from ..hf.precision import preset_precision
 
-            overrides, self.precision = preset_policy(model, str(preset), precision)
-        elif preset is not None:
-            self.precision = {"source": "fixed", "reason": "explicit k= / v= / overrides="}
+        by_hand = k is not None or v is not None or overrides
+        k, v, innerq = resolve(preset, k, v, innerq)
+        # as KVCache.precision: a preset's calibrated or fixed types (None without a preset)
+        policy, self.precision = preset_precision(model, preset, "explicit k= / v= / overrides=" if by_hand
+                                                  else None, precision)
+        overrides = overrides or policy
 
         self.model, self.tok = model, tok
         self.k_type, self.v_type = check_codec_name(k), check_codec_name(v)
@@ -154,10 +153,11 @@ class SharedKVPool:
         self.layout = kv_layout(model)
         self._windows = [s.sliding_window for s in self.layout]
         # per-layer (K, V) types: the pool's pair, or `overrides` {layer: (k, v)} (a calibrated preset)
-        self.layer_types = [tuple(overrides[s.index]) if overrides and s.index in overrides else (self.k_type, self.v_type)
-                            for s in self.layout]
+        self.layer_types = [tuple(overrides.get(s.index, (self.k_type, self.v_type))) if overrides
+                            else (self.k_type, self.v_type) for s in self.layout]
         for kt, vt in self.layer_types:
-            check_codec_name(kt), check_codec_name(vt)
+            check_codec_name(kt)
+            check_codec_name(vt)
         turbo_k = any(kt.startswith("turbo") for kt, _ in self.layer_types)
         if innerq == "auto" and not turbo_k:
             innerq = None  # InnerQ applies to turbo keys only: no fingerprint, no table lookup
