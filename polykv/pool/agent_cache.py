@@ -153,6 +153,21 @@ class AgentCache(Cache):
         self.pages.free(slot)
         self.lens[slot] = 0
 
+    def reset(self) -> None:
+        """Empty every slot for a new batch, keeping the storage (page pools, page table, stream
+        buffers): what a freshly built cache of the same page count holds — all pages free, in the
+        order a fresh table hands them out (slot 0 first takes page 0) — so the next batch's rows
+        land where a fresh cache's would. `storage_version` is unchanged: captured steps stay valid.
+        Rows left in the pages are garbage that no attention reads (every read stops at `lens`)."""
+        pages = self.pages
+        for s in range(pages.slots):
+            pages.free(s)
+        pages.free_pages.sort(reverse=True)  # pop() takes the lowest page first, as a fresh table
+        self.lens.zero_()
+        self._group = None
+        if self.streamer is not None:
+            self.streamer.chunks_read = self.streamer.bytes_read = 0
+
     def nbytes(self) -> int:
         """Measured bytes of all suffix storage (the page pools, free pages included); measured
         again only after storage changed."""

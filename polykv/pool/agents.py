@@ -32,6 +32,12 @@ Semantics
   (`decode_graph.py`; `graphs=False` or POLYKV_CUDA_GRAPHS=0 keeps it eager). A batch over a
   host-tier document streams its prefix (`attention.PrefixStreamer`): the captured step holds the
   chunk copies as memcpy nodes on a forked branch, overlapped with the cascade as when eager.
+* Reuse: `close()` hands the suffix storage and the captured steps back to the pool, which parks
+  them for the next batch of the same document (`SharedKVPool.open_batch`: same backend and graphs
+  setting, enough slots); that batch starts from `AgentCache.reset` — no agent, every page free in a
+  fresh table's order, the same pools, so the captured steps stay valid and its outputs equal a
+  fresh batch's. Sampling rows are per batch (never reused). `graph_captures` counts this batch's
+  own captures.
 * A batch is not thread-safe by itself; use one batch per thread (the pool is thread-safe).
 """
 
@@ -60,32 +66,44 @@ class AgentBatch:
     """See module doc. Created by `SharedKVPool.open_batch`; usable as a context manager."""
 
     def __init__(self, pool, doc, capacity: int | None = None, seq_capacity: int | None = None,
-                 backend: str = "auto", graphs: bool = True):
+                 backend: str = "auto", graphs: bool = True, parked: "Parked | None" = None):
         from .agent_cache import AgentCache
 
         self.pool = pool
         self.doc = doc
         self.doc_id = doc.id
-        self.cache = AgentCache(doc.layers, doc.prefix_start, doc.length, pool._windows,
-                                batch_capacity=capacity or 4, seq_capacity=seq_capacity or 0,
-                                backend=backend, device=pool.device)
+        self.backend, self.graphs = backend, bool(graphs)
+        self._graphs = None  # captured decode steps (CUDA), see decode_graph.py
+        if parked is not None:  # a closed batch's storage and captured steps (SharedKVPool.open_batch)
+            self.cache, self._graphs = parked.cache, parked.graphs
+            self.cache.reset()
+            if seq_capacity:
+                self.cache.reserve_rows([seq_capacity] * (capacity or 4))
+            if self._graphs is not None:
+                self._graphs.reset()
+        else:
+            self.cache = AgentCache(doc.layers, doc.prefix_start, doc.length, pool._windows,
+                                    batch_capacity=capacity or 4, seq_capacity=seq_capacity or 0,
+                                    backend=backend, device=pool.device)
+        if graphs and self._graphs is None:
+            from .decode_graph import DecodeGraphs, graphs_supported
+
+            if graphs_supported(self.cache):
+                self._graphs = DecodeGraphs(pool.model, self.cache, pool._pad_id)
+        self._own_graphs = self._graphs  # parked with the cache at close (a replaced one is not)
         self._agents: dict[int, _Agent] = {}
         self._slots: list[int] = []  # slot -> aid
         self._ids = itertools.count()
         self._closed = False
         self.peak_bytes = self.cache.nbytes()
         self._rows = SamplingRows(self.cache.batch_capacity, pool.device)  # per-slot set_sampling
-        self._graphs = None  # captured decode steps (CUDA), see decode_graph.py
-        if graphs:
-            from .decode_graph import DecodeGraphs, graphs_supported
-
-            if graphs_supported(self.cache):
-                self._graphs = DecodeGraphs(pool.model, self.cache, pool._pad_id)
 
     @property
     def graph_captures(self) -> int:
         """Decode / verify steps this batch captured (CUDA graphs; each costs warm-up forwards plus
-        the capture, once per batch bucket and width). 0 without captured steps."""
+        the capture, once per batch bucket and width). Steps captured by an earlier batch whose
+        cache and graphs this one reuses do not count: 0 when every step it ran was already
+        captured, and 0 without captured steps."""
         return self._graphs.captures if self._graphs is not None else 0
 
     # --- agents ------------------------------------------------------------------------------
@@ -99,7 +117,9 @@ class AgentBatch:
         aid = next(self._ids)
         slot = len(self._slots)
         if slot >= self.cache.batch_capacity:
+            version = self.cache.storage_version
             self.cache.reserve(max(2 * self.cache.batch_capacity, slot + 1))
+            self._grown(version)
         self.cache.clear_slot(slot)
         self._rows.reserve(slot + 1)
         self._slots.append(aid)
@@ -110,7 +130,14 @@ class AgentBatch:
         """Allocate pages now for agents of rows[i] suffix rows each (prompt + new tokens), so
         that they grow without reallocating storage (which would also drop captured steps)."""
         self._check_open()
+        version = self.cache.storage_version
         self.cache.reserve_rows(rows)
+        self._grown(version)
+
+    def _grown(self, version: int) -> None:
+        """Storage may have grown since `version`: the pool drops parked batches over its budget."""
+        if self.cache.storage_version != version:
+            self.pool._grown()
 
     def set_sampling(self, aid: int, temperature: float = 0.0, top_p: float = 1.0, top_k: int | None = 0,
                      seed: int = 0, start: int = 0) -> None:
@@ -326,15 +353,20 @@ class AgentBatch:
 
     # --- lifecycle ---------------------------------------------------------------------------
     def close(self) -> None:
-        """Free the suffix storage and release the document reference (idempotent)."""
+        """Release the document reference and hand the suffix storage back to the pool (idempotent).
+        The pool parks the storage and the captured steps for the next batch of the same document
+        (`SharedKVPool.open_batch`; bounded, counted in memory_report(), dropped under budget
+        pressure) or frees them."""
         if self._closed:
             return
         self._closed = True
         self._agents.clear()
         self._slots.clear()
+        graphs = self._graphs if self._graphs is self._own_graphs else None
+        parked = Parked(self.cache, graphs, self.backend, self.graphs, self.doc_id)
         self.cache = None
-        self._graphs = None
-        self.pool._release(self)
+        self._graphs = self._own_graphs = None
+        self.pool._release(self, parked)
 
     def __enter__(self):
         return self
@@ -359,6 +391,29 @@ class AgentBatch:
     def _check_open(self) -> None:
         if self._closed:
             raise RuntimeError("this AgentBatch is closed")
+
+
+@dataclass
+class Parked:
+    """A closed batch's suffix storage and captured steps, kept by the pool for the next batch of
+    the same document: reused only with the same backend and graphs setting, over the same
+    document layers (a tier move or re-prefill makes new layers: the pool drops parked sets then)."""
+
+    cache: object  # AgentCache (its doc_layers: the layers the captured steps read)
+    graphs: object | None  # DecodeGraphs or None
+    backend: str
+    graphs_on: bool  # open_batch(graphs=...) of the batch that built it
+    doc_id: str = ""
+    since: float = 0.0  # time.monotonic() when parked
+
+    def nbytes(self) -> int:
+        from ..cache.accounting import storage_bytes
+
+        return storage_bytes(self.tensors())
+
+    def tensors(self) -> list[torch.Tensor]:
+        """Device tensors it holds: suffix page pools and prefix-stream buffers."""
+        return self.cache.tensors() + self.cache.buffer_tensors()
 
 
 def _to_host(ids: torch.Tensor) -> list[int]:

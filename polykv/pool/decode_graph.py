@@ -8,12 +8,22 @@ static device inputs, and replayed: per step the host fills one pinned int64 [3,
 choice are static outputs of the graph.
 
 Verification steps of speculative decoding (`run_columns`: each agent feeds its pending token and
-its drafts, up to n_q columns, left-padded) are captured the same way per (bucket, n_q), n_q rounded
-up to a power of two; the graph keeps the logits of every column.
+its drafts, up to n_q columns, left-padded) are captured the same way per (bucket, n_q) with the
+exact n_q = widest agent's columns: a step costs what its widest agent needs, no power-of-two
+rounding (5 columns ran as 8 before). More widths mean more captures, paid once per pool and
+document now that captured steps outlive a batch (below); the graph keeps the logits of every column.
+
+Which bucket runs n agents: bucket(n) when captured; while agents finish within a batch (n below the
+batch's peak) a larger bucket already captured for that width is replayed instead of capturing a
+smaller one for the last few steps; a batch that starts with n agents gets bucket(n) (captured once:
+a reused set captured for 32 agents does not make every later 8-agent step pay for 32 rows).
 
 A graph reads the page pools and the device page table it was captured with: a new page for an
 agent only changes table entries (refreshed in place before the replay); when the AgentCache
 reallocates a pool or the table (`storage_version` changes) every graph is dropped and recaptured.
+Reuse: when a batch closes, the pool parks its AgentCache with these graphs (`SharedKVPool.open_batch`
+hands them to the next batch of the same document); `AgentCache.reset` keeps the storage, so the
+graphs stay valid, and `reset` here restarts the per-batch counters.
 """
 
 from __future__ import annotations
@@ -62,7 +72,20 @@ class DecodeGraphs:
         self._graphs: dict[tuple[int, int], _Captured] = {}  # (bucket, n_q) -> step
         self._version = cache.storage_version
         self._mempool = None
-        self.captures = 0  # steps built so far (captured graphs, or static eager steps)
+        self.captures = 0  # steps built since the last `reset` (captured graphs, or static eager steps)
+        self.total_captures = 0  # steps built over this object's life (across reuses)
+        self._peak = 0  # most agents in one step since the last `reset`
+
+    def reset(self) -> None:
+        """A new batch takes over these steps (the pool reuses a closed batch's cache and graphs):
+        restart the per-batch counters; the captured steps stay (valid while the cache's
+        `storage_version` is unchanged, checked at every replay)."""
+        self.captures = 0
+        self._peak = 0
+
+    def widths(self) -> list[tuple[int, int]]:
+        """(bucket, n_q) of every captured step, sorted."""
+        return sorted(self._graphs)
 
     def run(self, tokens: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
         """One decode step of the agents in slots 0..len(tokens)-1, token tokens[g] for slot g.
@@ -79,14 +102,19 @@ class DecodeGraphs:
         width = max(len(c) for c in columns)
         if keep > width:
             raise ValueError(f"keep={keep} exceeds the widest agent ({width} tokens)")
-        n_q = bucket(max(2, width))
+        n_q = max(2, width)  # exact: a step costs its widest agent's columns, nothing rounded up
         out = self._replay(columns, n_q)
         return out["logits"][: len(columns), n_q - keep:]
 
     def _replay(self, columns: list[list[int]], n_q: int) -> dict:
         cache = self.cache
         n = len(columns)
-        B = min((b for b, w in self._graphs if w == n_q and b >= n), default=bucket(n))
+        self._peak = max(self._peak, n)
+        B = bucket(n)
+        if (B, n_q) not in self._graphs and B < bucket(self._peak):
+            # agents finished within this batch: a larger bucket captured for this width serves the
+            # last steps (one capture saved); a batch that starts this small captures its own
+            B = min((b for b, w in self._graphs if w == n_q and B < b <= bucket(self._peak)), default=B)
         if B > cache.batch_capacity:
             cache.reserve(B)
         # host bookkeeping in plain Python (a few microseconds for tens of agents)
@@ -162,4 +190,5 @@ class DecodeGraphs:
         cap = _Captured(graph, step, host, inp, out)
         self._graphs[(B, n_q)] = cap
         self.captures += 1
+        self.total_captures += 1
         return cap

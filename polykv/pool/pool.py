@@ -18,6 +18,13 @@ Lifecycle
   it fits the GPU budget once unreferenced GPU documents are demoted (LRU); otherwise the batch
   streams it from the host. Evicted documents keep their token ids; using one again re-prefills it
   exactly (with a `warnings.warn`).
+* A closed batch's suffix storage and captured decode steps are parked with its document (one per
+  document, `max_parked_batches` in all) and taken over by the next `open_batch` of that document:
+  CUDA graphs are captured once per pool and document instead of once per batch (on the H200 a
+  capture cost 450-725 ms, about a hundred decode steps). Parked storage is measured
+  (memory_report()["kv_bytes_parked"]), counts against gpu_budget_bytes and is the first thing
+  dropped under its pressure; new layers for the document (eviction, a tier move, a re-prefill),
+  its removal and `close()` drop it.
 * All pool state is guarded by an RLock; forwards of different batches run outside the lock.
 """
 
@@ -62,6 +69,14 @@ class _Document:
     naive_f16_bytes: int = 0  # measured bytes of one real f16 DynamicCache of the document
     ngram: object = None  # polykv.spec.NgramIndex over ids (speculative drafts), built at add_document
     outputs: object = None  # polykv.spec.SuffixTree over the outputs of its agents (created on first use)
+    parked: object = None  # agents.Parked: a closed batch's storage + captured steps, for the next batch
+
+    def __setattr__(self, name, value):
+        # a parked batch's captured steps read these very layers: new ones (a tier move, an
+        # eviction, a re-prefill) drop it, whichever code path makes them
+        if name == "layers" and self.__dict__.get("parked") is not None:
+            self.__dict__["parked"] = None
+        object.__setattr__(self, name, value)
 
     @property
     def length(self) -> int:
@@ -114,6 +129,14 @@ class SharedKVPool:
         what they were), and a CUDA float32 model keeps the masked path, whose [C, L] mask and
         scores grow with the chunk.
     """
+
+    max_parked_batches = 4
+    """Closed batches kept for reuse (`open_batch`), at most one per document, least recently
+    parked dropped first; 0 turns reuse off. A parked batch holds its suffix pages (measured:
+    memory_report()["kv_bytes_parked"], inside gpu_tier_bytes and the GPU budget, dropped first
+    under budget pressure) and its captured steps (CUDA graph pools: activations and logits per
+    bucket and width — not KV, and not counted, as for open batches). Four covers the documents a
+    server alternates between without holding idle graph memory for every document ever used."""
 
     def __init__(self, model, tok, k: str | None = None, v: str | None = None, device=None,
                  budget_bytes: int | None = None, innerq=None, prefill_chunk: int | None = None,
@@ -244,6 +267,7 @@ class SharedKVPool:
             if d.refs:
                 raise DocumentInUseError(f"document {doc!r} is in use by {d.refs} open agent batch(es); "
                                          f"close them before removing it")
+            d.parked = None
             del self._docs[doc]
 
     def documents(self) -> list[dict]:
@@ -296,9 +320,10 @@ class SharedKVPool:
 
     def _gpu_tier_bytes(self) -> int:
         """What gpu_budget_bytes bounds, measured: GPU-tier documents + suffix pages and stream
-        buffers of open batches."""
+        buffers of open and parked batches."""
         batches = [t for b in self._open_batches() for t in b.cache.tensors() + b.cache.buffer_tensors()]
-        return storage_bytes(self._tier_tensors("gpu") + batches)
+        parked = [t for p in self._parked() for t in p.tensors()]
+        return storage_bytes(self._tier_tensors("gpu") + batches + parked)
 
     def _enforce_budget(self, keep: str | None = None, fixed: str | None = None) -> None:
         """Fit both budgets (module doc). keep: moved last (to the host tier only, never evicted);
@@ -318,6 +343,10 @@ class SharedKVPool:
             total = self._gpu_tier_bytes() + extra
             if total <= budget:
                 return True
+            parked = self._parked()
+            if parked:  # parked batches go first: dropping one costs captures later, not a prefill
+                self._docs[parked[0].doc_id].parked = None
+                continue
             victims = sorted((d for d in self._docs.values()
                               if d.tier == "gpu" and d.refs == 0 and d.id != fixed),
                              key=lambda d: (d.id == keep, d.last_used))
@@ -493,8 +522,9 @@ class SharedKVPool:
             elif d.tier == "host" and d.refs == 0 and promote:
                 self._promote(d)
             d.refs += 1
+            parked = self._unpark(d, capacity, backend, graphs)
             try:
-                batch = AgentBatch(self, d, capacity, seq_capacity, backend, graphs)
+                batch = AgentBatch(self, d, capacity, seq_capacity, backend, graphs, parked=parked)
             except BaseException:
                 d.refs -= 1
                 raise
@@ -502,14 +532,74 @@ class SharedKVPool:
             self._enforce_budget(keep=doc)
             return batch
 
-    def _release(self, batch) -> None:
+    def _unpark(self, d: _Document, capacity: int | None, backend: str, graphs: bool):
+        """The document's parked batch (`max_parked_batches`) if a new batch can take it over: same
+        backend and graphs setting, built over the document's current layers, at least `capacity`
+        slots (fewer would reallocate the page table and drop every captured step: a fresh batch is
+        as good, and the larger one is parked when it closes). Taken out: one batch owns it."""
+        p = d.parked
+        if p is None or p.backend != backend or p.graphs_on != bool(graphs) or p.cache.doc_layers is not d.layers:
+            return None
+        if capacity is not None and p.cache.batch_capacity < capacity:
+            return None
+        d.parked = None
+        return p
+
+    def _release(self, batch, parked=None) -> None:
+        """A batch closed: drop its reference; park its storage and captured steps (`parked`,
+        agents.Parked) for the next batch of the document when the pool keeps any — replacing a
+        parked one with fewer slots — within `max_parked_batches` (least recently parked dropped)
+        and the GPU budget."""
         with self._lock:
             self._batches.discard(batch)
             d = self._docs.get(batch.doc_id)
             if d is not None and d.refs > 0:
                 d.refs -= 1
                 d.last_used = time.monotonic()
+            if (parked is not None and d is not None and self.max_parked_batches > 0
+                    and parked.cache.doc_layers is d.layers):
+                old = d.parked
+                if old is None or old.cache.batch_capacity <= parked.cache.batch_capacity:
+                    parked.since = time.monotonic()
+                    d.parked = parked
+                extra = sorted((x for x in self._docs.values() if x.parked is not None),
+                               key=lambda x: x.parked.since)
+                for x in extra[: max(0, len(extra) - self.max_parked_batches)]:
+                    x.parked = None
             self._enforce_budget()
+
+    def _grown(self) -> None:
+        """An open batch's storage grew: drop parked batches (least recently parked first) while
+        the GPU tier exceeds gpu_budget_bytes — idle storage must not crowd out live agents (the
+        engine refuses requests by this figure). Documents are not moved here (as before: live
+        growth may overshoot until the next open / close)."""
+        if self.gpu_budget_bytes is None:
+            return
+        with self._lock:
+            for p in self._parked():
+                if self._gpu_tier_bytes() <= self.gpu_budget_bytes:
+                    return
+                self._docs[p.doc_id].parked = None
+
+    def _parked(self) -> list:
+        """The parked batches (agents.Parked), least recently parked first."""
+        return sorted((d.parked for d in self._docs.values() if d.parked is not None), key=lambda p: p.since)
+
+    def _drop_parked(self) -> int:
+        """Free every parked batch (suffix pages and captured steps) now; the next batch of each
+        document starts fresh. Returns how many were dropped."""
+        with self._lock:
+            n = 0
+            for d in self._docs.values():
+                if d.parked is not None:
+                    d.parked = None
+                    n += 1
+            return n
+
+    def close(self) -> None:
+        """Free what the pool keeps beyond its documents: the parked batches (`_drop_parked`). The
+        pool stays usable (a later batch starts fresh); open batches are the caller's to close."""
+        self._drop_parked()
 
     def prompt_ids(self, doc: str, prompt, chat_template: bool = True) -> list[int]:
         """Suffix token ids of one agent; its full prompt is always doc ids + these ids.
@@ -665,8 +755,10 @@ class SharedKVPool:
         kv_bytes_gpu / kv_bytes_host: the GPU-tier / host-tier documents' compressed prefixes
             (kv_bytes_shared = kv_bytes_gpu + kv_bytes_host)
         kv_bytes_stream_buffers: device buffers of batches streaming host-tier documents
+        kv_bytes_parked: suffix pages (and stream buffers) of closed batches parked for reuse
+            (`max_parked_batches`); parked_batches: how many
         gpu_tier_bytes: what gpu_budget_bytes bounds (GPU-tier documents + suffix pages + stream
-            buffers); tiers: documents per tier
+            buffers of open and parked batches); tiers: documents per tier
         """
         with self._lock:
             docs = [d for d in self._docs.values() if d.resident]
@@ -677,8 +769,11 @@ class SharedKVPool:
             gpu, host = (storage_bytes(self._tier_tensors(t)) for t in ("gpu", "host"))
             buffers = storage_bytes([t for b in batches for t in b.cache.buffer_tensors()])
             tiers = {t: sum(d.tier == t for d in self._docs.values()) for t in TIERS}
+            parked = self._parked()
             return dict(kv_bytes_shared=shared, kv_bytes_agents=agents, kv_bytes_naive_f16=naive,
                         kv_bytes_gpu=gpu, kv_bytes_host=host, kv_bytes_stream_buffers=buffers,
+                        kv_bytes_parked=storage_bytes([t for p in parked for t in p.tensors()]),
+                        parked_batches=len(parked),
                         gpu_tier_bytes=self._gpu_tier_bytes(), tiers=tiers,
                         gpu_budget_bytes=self.gpu_budget_bytes, host_budget_bytes=self.host_budget_bytes,
                         ratio=(naive / shared) if shared else 0.0,

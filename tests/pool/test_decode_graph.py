@@ -146,14 +146,14 @@ def test_budget_counts_agent_pages(tiny):
 
 
 def test_static_multi_column_step_matches_plain_forward(tiny):
-    """run_columns (the captured verification step: each agent feeds 1..n tokens, left-padded to a
-    power-of-two width) gives every real column the logits of a plain forward over doc + suffix +
+    """run_columns (the captured verification step: each agent feeds 1..n tokens, left-padded to the
+    widest agent's exact width, captured per (bucket, width)) gives every real column the logits of a plain forward over doc + suffix +
     those tokens, advances each agent by its own count, and leaves a cache the next step reads."""
     model, tok = tiny
     pool = SharedKVPool(model, tok, k="f16", v="f16", prefill_chunk=16)
     doc = pool.add_document(DOC)
     sufs = [[5, 6], [7], [8, 9, 10]]
-    cols = [[40, 41, 42], [43], [44, 45]]  # widest 3 -> n_q 4 (one padded column each at least)
+    cols = [[40, 41, 42], [43], [44, 45]]  # widest 3 -> n_q 3 (exact: no power-of-two rounding)
 
     def ref(ids, n):
         with torch.no_grad():
@@ -164,7 +164,7 @@ def test_static_multi_column_step_matches_plain_forward(tiny):
         aids = [b.add(s) for s in sufs]
         b.step()
         got = b._graphs.run_columns(cols, keep=3)
-        assert got.shape[:2] == (3, 3) and set(b._graphs._graphs) == {(4, 4)}
+        assert got.shape[:2] == (3, 3) and set(b._graphs._graphs) == {(4, 3)}
         for g, (s, c) in enumerate(zip(sufs, cols)):
             torch.testing.assert_close(got[g, 3 - len(c):], ref(s + c, len(c)), rtol=1e-4, atol=1e-4)
         assert b.cache.lens[:3].tolist() == [len(s) + len(c) for s, c in zip(sufs, cols)]
@@ -174,3 +174,118 @@ def test_static_multi_column_step_matches_plain_forward(tiny):
         nxt = b.step()
         for i, a in enumerate(aids):
             torch.testing.assert_close(nxt[a], ref(sufs[i] + cols[i] + [50 + i], 1)[0], rtol=1e-4, atol=1e-4)
+
+
+@pytest.fixture
+def static_graphs(monkeypatch):
+    """Batches build their decode steps as on CUDA, run eagerly (capture=False): the captured
+    path of `AgentBatch` on CPU, captures counted as on the GPU."""
+    import functools
+
+    from polykv.pool import decode_graph
+
+    monkeypatch.setattr(decode_graph, "graphs_supported", lambda cache: True)
+    monkeypatch.setattr(decode_graph, "DecodeGraphs", functools.partial(DecodeGraphs, capture=False))
+
+
+SPEC = {"method": "prompt_lookup", "num_draft_tokens": 3, "adaptive": False, "min_ngram": 1}  # drafts every step
+
+
+@pytest.mark.parametrize("spec", [None, SPEC])
+def test_second_generate_reuses_the_captured_steps(tiny, static_graphs, spec):
+    """A closed batch's cache and captured steps are parked with the pool; the next generate call
+    over the document takes them over: same tokens as a pool that never reuses (and as the first
+    call), and no new capture (`graph_captures` counts the captures of that call only)."""
+    model, tok = tiny
+    doc_ids = DOC * 2
+    prompts = [[5, 6, 7], [8], [9, 10], [11, 12, 13, 14], [15]]  # 5 agents: bucket 8, then fewer
+    fresh = SharedKVPool(model, tok, k="q8_0", v="turbo3", prefill_chunk=32)
+    fresh.max_parked_batches = 0  # every call builds and captures anew (the behaviour before reuse)
+    pool = SharedKVPool(model, tok, k="q8_0", v="turbo3", prefill_chunk=32)
+    doc = pool.add_document(doc_ids)
+    assert fresh.add_document(doc_ids) == doc
+    got, caps = [], []
+    for _ in range(3):
+        pool.generate(doc, prompts, max_new_tokens=9, speculative=spec)
+        got.append(pool.last_generate["answer_ids"])
+        caps.append(pool.last_generate["graph_captures"])
+        fresh.generate(doc, prompts, max_new_tokens=9, speculative=spec)
+        assert fresh.last_generate["answer_ids"] == got[-1]
+        assert fresh.last_generate["graph_captures"] == caps[0] > 0
+    assert got[0] == got[1] == got[2]
+    assert caps[1] == caps[2] == 0  # every step was captured by the first call
+    widths = {w for _, w in pool._docs[doc].parked.graphs.widths()}
+    if spec is not None:  # verify steps ran, through captured steps of their exact widths
+        assert pool.last_generate["speculative"]["drafted"] > 0 and max(widths) > 1
+    else:
+        assert widths == {1}
+    rep = pool.memory_report()
+    parked = pool._docs[doc].parked
+    assert rep["parked_batches"] == 1 and rep["kv_bytes_parked"] == parked.nbytes() > 0
+    assert rep["kv_bytes_agents"] == 0 and rep["gpu_tier_bytes"] == rep["kv_bytes_gpu"] + rep["kv_bytes_parked"]
+    assert fresh.memory_report()["parked_batches"] == 0
+
+
+def test_reused_batch_starts_like_a_fresh_one(tiny, static_graphs):
+    """Reuse resets the slots, lengths and free pages (in a fresh table's order) and the per-batch
+    capture count, keeps storage and graphs: a second batch's logits and page layout equal a fresh
+    pool's exactly, whatever the first batch left behind (removals, rollbacks, a sampled agent)."""
+    model, tok = tiny
+    pool = SharedKVPool(model, tok, k="q8_0", v="turbo3", prefill_chunk=16)
+    ref = SharedKVPool(model, tok, k="q8_0", v="turbo3", prefill_chunk=16)
+    doc = pool.add_document(DOC)
+    ref.add_document(DOC)
+    with pool.open_batch(doc, capacity=4, seq_capacity=8) as b:
+        aids = [b.add(s) for s in ([5, 6, 7], list(range(20, 90)), [8])]
+        b.set_sampling(aids[2], temperature=1.0, seed=3, start=5)
+        b.step_tokens()
+        b.remove(aids[0])
+        b.feed({a: 40 for a in aids[1:]})
+        b.feed_drafts({aids[1]: [41, 42]})
+        b.step_verify()
+        first = b.cache, b._graphs
+        assert b.graph_captures > 0
+    assert pool._docs[doc].parked.cache is first[0]
+
+    def run(p):
+        out = []
+        with p.open_batch(doc, capacity=4, seq_capacity=8) as b2:
+            aids2 = [b2.add(s) for s in ([9, 10], [11, 12, 13])]
+            b2.set_sampling(aids2[1], temperature=0.9, seed=5)
+            out.append(b2.step())
+            b2.feed({a: 30 for a in aids2})
+            out.append(b2.step_tokens())
+            b2.feed({a: 31 for a in aids2})
+            out.append(b2.step())
+            return out, [list(x) for x in b2.cache.pages.owned[:2]], b2.cache.lens[:4].tolist(), (b2.cache, b2._graphs)
+
+    got, pages, lens, held = run(pool)
+    want, ref_pages, ref_lens, _ = run(ref)
+    assert held[0] is first[0] and held[1] is first[1]  # the same storage and steps, not a copy
+    assert pages == ref_pages and lens == ref_lens
+    assert got[1] == want[1]
+    for g, w in zip((got[0], got[2]), (want[0], want[2])):
+        assert g.keys() == w.keys() and all(torch.equal(g[a], w[a]) for a in g)
+
+
+def test_reuse_needs_capacity_and_one_owner(tiny):
+    """A parked batch goes to one new batch at a time, only with enough slots (fewer would
+    reallocate the page table and lose every captured step); the larger of two is kept."""
+    model, tok = tiny
+    pool = SharedKVPool(model, tok, k="q8_0", v="turbo3", prefill_chunk=16)
+    doc = pool.add_document(DOC)
+    b = pool.open_batch(doc, capacity=2)
+    small = b.cache
+    b.close()
+    with pool.open_batch(doc, capacity=8) as big, pool.open_batch(doc, capacity=2) as other:
+        assert big.cache is not small  # 2 slots < 8: a fresh batch
+        assert other.cache is small  # the parked one, taken out
+        assert pool._docs[doc].parked is None
+        with pool.open_batch(doc, capacity=2) as third:
+            assert third.cache not in (small, big.cache)  # one owner at a time
+        big_cache = big.cache
+    assert pool._docs[doc].parked.cache is big_cache  # 8 slots beat 2 (and beat the third's 4)
+    with pool.open_batch(doc, capacity=2, backend="reference") as ref_b:
+        assert ref_b.cache is not big_cache  # another backend: not reused
+    with pool.open_batch(doc) as again:
+        assert again.cache is big_cache

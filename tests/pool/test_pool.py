@@ -225,3 +225,104 @@ def test_naive_f16_figure_measured_without_a_whole_copy(tiny):
     assert naive == b.memory_report()["kv_bytes_naive_f16"] == storage_bytes(shadow.tensors())
     layers, heads, dim = 2, 2, 32
     assert naive == layers * 2 * heads * len(ids) * dim * 2  # f16 K and V, each row once
+
+
+def _park(pool, doc, capacity=2):
+    with pool.open_batch(doc, capacity=capacity) as b:
+        b.add([5, 6])
+        b.step()
+        cache = b.cache
+    assert pool._docs[doc].parked.cache is cache
+    return cache
+
+
+def test_parked_batches_are_counted_and_dropped(tiny):
+    """A closed batch's storage parked for reuse is measured (kv_bytes_parked, inside gpu_tier_bytes)
+    and freed when its document's layers go (evict, move to the host tier, re-prefill, removal),
+    on pool.close(), beyond max_parked_batches (least recently parked first) and before any
+    document under GPU budget pressure."""
+    model, tok = tiny
+    pool = SharedKVPool(model, tok, prefill_chunk=32, host_budget_bytes=10**9)
+    docs = [pool.add_document(DOC), pool.add_document(DOC[::-1]), pool.add_document([t + 1 for t in DOC])]
+    a, b, c = docs
+    cache = _park(pool, a)
+    rep = pool.memory_report()
+    assert rep["parked_batches"] == 1 and rep["kv_bytes_parked"] == storage_bytes(cache.tensors()) > 0
+    assert rep["gpu_tier_bytes"] == rep["kv_bytes_gpu"] + rep["kv_bytes_parked"]
+    pool.evict(a)
+    assert pool._docs[a].parked is None and pool.memory_report()["kv_bytes_parked"] == 0
+    with pytest.warns(UserWarning, match="re-prefilling"):
+        _park(pool, a)
+    pool.move(a, "host")  # the parked batch read the GPU layers
+    assert pool._docs[a].parked is None
+    pool.move(a, "gpu")
+    _park(pool, a)
+    pool.remove_document(a)
+    assert pool.memory_report()["parked_batches"] == 0
+    pool.max_parked_batches = 1  # a second document's batch pushes the first one out
+    _park(pool, b)
+    _park(pool, c)
+    assert pool._docs[b].parked is None and pool.memory_report()["parked_batches"] == 1
+    pool.close()
+    assert pool.memory_report()["parked_batches"] == 0 and pool.generate(c, [[5]], max_new_tokens=2)
+    # budget pressure: both documents fit, the parked pages do not -> the parked batch goes, no document
+    pool.max_parked_batches = 4
+    _park(pool, b, capacity=8)
+    rep = pool.memory_report()
+    pool.gpu_budget_bytes = rep["kv_bytes_gpu"] + rep["kv_bytes_parked"] // 2
+    with pool.open_batch(c, capacity=1, seq_capacity=1) as small:
+        assert pool._docs[b].parked is None and pool._docs[b].tier == "gpu"
+        assert pool._docs[c].parked is None or small.cache is not pool._docs[c].parked.cache
+    # an open batch that grows past the budget pushes parked storage out (the engine admits
+    # requests by gpu_tier_bytes), and moves no document
+    pool.gpu_budget_bytes = None
+    _park(pool, b, capacity=8)
+    pool.gpu_budget_bytes = pool.memory_report()["gpu_tier_bytes"] + 64
+    with pool.open_batch(c, capacity=1) as grow:
+        assert pool._docs[b].parked is not None  # still fits
+        grow.reserve([200] * 4)
+        assert pool._docs[b].parked is None and pool._docs[b].tier == "gpu"
+
+
+def test_threads_share_parked_batches(tiny):
+    """generate from several threads over one document: each batch owns its storage (a parked set is
+    handed to one batch at a time), answers equal the sequential ones, one set stays parked."""
+    model, tok = tiny
+    pool = SharedKVPool(model, tok, prefill_chunk=32)
+    doc = pool.add_document(DOC)
+    ps = [[[5, 6, 7], [9]], [[11, 12], [13, 14, 15, 16]], [[17], [18, 19]]]
+    want = [pool.generate(doc, p, max_new_tokens=5) for p in ps]
+    got, errs = [None] * len(ps), []
+    owners: dict = {}
+    real = pool._unpark
+
+    def unpark(d, *args):
+        p = real(d, *args)
+        if p is not None:
+            assert id(p.cache) not in owners.values()  # nobody holds it now
+            owners[threading.get_ident()] = id(p.cache)
+        return p
+
+    release = pool._release
+
+    def released(batch, parked=None):
+        for k in [k for k, v in owners.items() if parked is not None and v == id(parked.cache)]:
+            del owners[k]
+        release(batch, parked)
+
+    pool._unpark, pool._release = unpark, released
+
+    def run(i):
+        try:
+            for _ in range(4):
+                got[i] = pool.generate(doc, ps[i], max_new_tokens=5)
+        except Exception as e:  # noqa: BLE001
+            errs.append(e)
+
+    ts = [threading.Thread(target=run, args=(i,)) for i in range(len(ps))]
+    for t in ts:
+        t.start()
+    for t in ts:
+        t.join()
+    assert not errs and got == want
+    assert pool.documents()[0]["refs"] == 0 and pool.memory_report()["parked_batches"] == 1
