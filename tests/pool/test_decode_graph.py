@@ -289,3 +289,31 @@ def test_reuse_needs_capacity_and_one_owner(tiny):
         assert ref_b.cache is not big_cache  # another backend: not reused
     with pool.open_batch(doc) as again:
         assert again.cache is big_cache
+
+
+def test_bucket_follows_the_batch_not_the_parked_graphs(tiny, static_graphs):
+    """Agents finishing within a batch keep replaying its larger captured bucket (no capture for the
+    last steps); a new batch that starts smaller, reusing those graphs, captures its own bucket
+    (else every 3-agent step of it would pay for 8 rows)."""
+    model, tok = tiny
+    pool = SharedKVPool(model, tok, k="q8_0", v="turbo3", prefill_chunk=16)
+    doc = pool.add_document(DOC)
+
+    def decode(b, aids, steps=2):
+        for _ in range(steps):
+            b.feed({a: 40 for a in aids})
+            b.step_tokens()
+
+    with pool.open_batch(doc, capacity=8) as b:
+        aids = [b.add([5 + i]) for i in range(8)]
+        b.step_tokens()
+        decode(b, aids)
+        for a in aids[3:]:
+            b.remove(a)
+        decode(b, aids[:3])
+        assert b._graphs.widths() == [(8, 1)] and b.graph_captures == 1
+    with pool.open_batch(doc, capacity=3) as b:
+        aids = [b.add([5 + i]) for i in range(3)]
+        b.step_tokens()
+        decode(b, aids)
+        assert b._graphs.widths() == [(4, 1), (8, 1)] and b.graph_captures == 1
