@@ -70,6 +70,7 @@ class _Document:
     ngram: object = None  # polykv.spec.NgramIndex over ids (speculative drafts), built at add_document
     outputs: object = None  # polykv.spec.SuffixTree over the outputs of its agents (created on first use)
     parked: object = None  # agents.Parked: a closed batch's storage + captured steps, for the next batch
+    step_times: object = None  # polykv.spec.adaptive.StepTimes: measured step times by agents and width
 
     def __setattr__(self, name, value):
         # a parked batch's captured steps read these very layers: new ones (a tier move, an
@@ -622,6 +623,18 @@ class SharedKVPool:
         text = prompt + d.tail if (chat_template and d.chat) else prompt
         return self.tok(text, add_special_tokens=False)["input_ids"]
 
+    def _step_times(self, doc: str):
+        """The document's measured batch step times (`polykv.spec.adaptive.StepTimes`: by agent
+        bucket and draft width), kept across generate calls so a new call's width planner starts
+        informed; plain calls feed it too."""
+        from ..spec.adaptive import StepTimes
+
+        with self._lock:
+            d = self._doc(doc)
+            if d.step_times is None:
+                d.step_times = StepTimes()
+            return d.step_times
+
     def spec_sources(self, doc: str) -> tuple:
         """(n-gram index, outputs suffix tree) of a document, for `polykv.spec.Speculator` (built
         here when missing: a document added through another path)."""
@@ -665,9 +678,10 @@ class SharedKVPool:
         if not suffixes:
             return []
         spec = None
+        times = self._step_times(doc)  # this document's measured step times, across calls
         if spec_cfg is not None:
             index, tree = self.spec_sources(doc)
-            spec = Speculator(index, tree, self.device.type)
+            spec = Speculator(index, tree, self.device.type, times=times)
         extra = spec_cfg.num_draft_tokens if spec_cfg is not None else 0
         with self.open_batch(doc, capacity=len(suffixes)) as batch:
             # pages each agent needs (+ room for the drafts of its last step)
@@ -684,6 +698,7 @@ class SharedKVPool:
             drafted: dict[int, int] = {}
             step_s: list[tuple[int, float]] = []  # (widest draft count, seconds) per step
             while live:
+                n_step, captured = len(live), batch.graph_captures
                 t_step = time.perf_counter()
                 width = max(drafted.values(), default=0)
                 if spec is None:
@@ -691,12 +706,16 @@ class SharedKVPool:
                 else:
                     chosen = batch.step_verify()
                 step_s.append((width, time.perf_counter() - t_step))  # each step ends in a copy to the host
+                # timed: decode steps (the first step prefills the prompts) that captured no graph
+                timed = steps > 0 and batch.graph_captures == captured
                 if spec is not None:
-                    if steps:  # decode steps only (the first step prefills the prompts)
-                        spec.observe_step(width, step_s[-1][1])
+                    if timed:
+                        spec.observe_step(width, step_s[-1][1], agents=n_step)
                     spec.step_done(any(drafted.values()))
+                elif timed:
+                    times.observe(n_step, width, step_s[-1][1])
                 steps += 1
-                feed, drafts = {}, {}
+                feed, limits = {}, {}
                 for a in aids:
                     if a not in live:
                         continue
@@ -715,10 +734,13 @@ class SharedKVPool:
                             break
                     if done:
                         live.discard(a)
+                        if spec is not None:
+                            spec.remove(a)
                     else:
                         feed[a] = emitted[-1]
-                        if spec is not None:
-                            drafts[a] = spec.propose(a, limit=max_new_tokens - len(outs[a]) - 1)
+                        limits[a] = max_new_tokens - len(outs[a]) - 1
+                # every agent's drafts, cut to the one width the batch step is worth (WidthPlanner)
+                drafts = spec.propose_all(limits, agents=len(feed)) if spec is not None else {}
                 self.peak_agent_bytes = max(self.peak_agent_bytes, batch.nbytes())
                 peak = batch.peak_bytes
                 for a in [a for a in aids if a not in live and a in batch.agents()]:

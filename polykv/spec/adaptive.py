@@ -1,26 +1,39 @@
-"""Per-agent draft length from its running acceptance.
+"""How many drafts to verify: per agent (its running acceptance) and per batch step (the step's cost).
 
 Model: each draft token is accepted with probability a, independently (the usual analysis, Leviathan
-et al. 2023). With k drafts a verify step emits E(k) = (1 - a^(k+1)) / (1 - a) tokens and costs
-about 1 + c·k decode steps (c = `cost_per_draft`: the extra cost of one more query column per agent,
-small on a GPU where decode pads the tensor-core tile, larger on a CPU where every column is
-compute). The agent drafts the k in 0..k_max that maximises E(k) / (1 + c·k); k = 0 is plain decode.
+et al. 2023). With k drafts a verify step emits E(k) = (1 - a^(k+1)) / (1 - a) tokens.
+
+Per agent (`AdaptiveLength`, the engine's loop): the step is taken to cost about 1 + c·k decode
+steps (c = `cost_per_draft`: the extra cost of one more query column per agent, small on a GPU where
+decode pads the tensor-core tile, larger on a CPU where every column is compute) and the agent
+drafts the k in 0..k_max that maximises E(k) / (1 + c·k); k = 0 is plain decode.
+
+Per batch (`WidthPlanner`, `SharedKVPool.generate`): a batch step runs every agent with the columns
+of the WIDEST one (left-padded; a captured step per width), so its time T(w) depends on the widest
+draft count w alone, and per-agent choices that ignore the others are not enough: the planner picks
+the w in 0..k_max maximising  sum_i E(a_i, min(k_i, w)) / T(w)  (k_i: the drafts agent i has, agents
+without drafts emit 1 token) and caps every agent at w drafts — drafts up to w are free in a step
+of width w. T(w) is measured (`StepTimes`: the median of the batch's own steps of that agent bucket
+and width, kept per document across generate calls), and before a width is seen, the line
+T(w) = t0·(1 + c·w) through the measured ones (c fitted from at least two widths, else the device
+prior). w = 0 is a plain decode step for everyone.
 
 a is estimated from what the agent has seen (exponentially decayed counts, a Beta(1, 1) prior):
 accepted drafts and rejections (a step that stops before its last draft has one rejection; a fully
 accepted step has none) — the maximum-likelihood estimate of a geometric run length.
 
-Back-off: while k = 0 the agent decodes plainly and learns nothing, so every `probe` plain steps it
-drafts `probe_k` tokens once to re-measure; each failed probe doubles the wait (up to `max_probe`),
-a successful one resets it.
+Back-off (both): while k (w) = 0 nothing is learned about acceptance, so every `probe` plain steps
+a probe of `probe_k` drafts re-measures; each failed probe doubles the wait (up to `max_probe`), a
+successful one resets it.
 """
 
 from __future__ import annotations
 
 import statistics
+import threading
 from collections import deque
 
-__all__ = ["AdaptiveLength", "StepCost", "expected_tokens"]
+__all__ = ["AdaptiveLength", "StepCost", "StepTimes", "WidthPlanner", "expected_tokens"]
 
 
 def expected_tokens(a: float, k: int) -> float:
@@ -114,3 +127,154 @@ class StepCost:
             return self.prior
         return min(2.0, max(0.0, slope / t0))
 
+
+
+def agent_bucket(n: int) -> int:
+    """The batch size a step of n agents runs at: the next power of two (the captured steps'
+    buckets, polykv.pool.decode_graph.bucket); step times are kept per bucket."""
+    return 1 << max(0, int(n) - 1).bit_length()
+
+
+class StepTimes:
+    """Measured seconds of batch steps by (agent bucket, width) — width: the widest draft count of
+    the step (0 = plain decode; the step has width + 1 query columns). Thread-safe (the pool keeps
+    one per document, shared by concurrent generate calls). Callers leave out steps that prefilled
+    prompts or captured a graph; `estimate` is robust to the odd one left in anyway: the median of
+    the last `window` steps once there are 3, before that the fastest (a capture or a stall only
+    ever makes a step slower)."""
+
+    def __init__(self, window: int = 16):
+        self.window = int(window)
+        self._obs: dict[tuple[int, int], deque] = {}
+        self._lock = threading.Lock()
+
+    def observe(self, agents: int, width: int, seconds: float) -> None:
+        key = (agent_bucket(agents), int(width))
+        with self._lock:
+            self._obs.setdefault(key, deque(maxlen=self.window)).append(float(seconds))
+
+    def estimate(self, agents: int, width: int) -> float | None:
+        """Seconds of one step of `width` for `agents` agents, or None when never measured."""
+        with self._lock:
+            xs = list(self._obs.get((agent_bucket(agents), int(width)), ()))
+        if not xs:
+            return None
+        return statistics.median(xs) if len(xs) >= 3 else min(xs)
+
+    def seen(self, agents: int) -> dict[int, float]:
+        """{width: estimate} of every width measured for this agent bucket."""
+        b = agent_bucket(agents)
+        with self._lock:
+            widths = sorted(w for bb, w in self._obs if bb == b)
+        return {w: self.estimate(agents, w) for w in widths}
+
+    def buckets(self) -> list[int]:
+        with self._lock:
+            return sorted({b for b, _ in self._obs})
+
+    def table(self) -> dict[int, dict[int, float]]:
+        """{bucket: {width: seconds}} (diagnostics)."""
+        return {b: self.seen(b) for b in self.buckets()}
+
+
+def fit_cost_ratio(points: dict[int, float]) -> float | None:
+    """c of the line T(w) = t0 + s·w = t0·(1 + c·w), least squares through {w: T(w)} (at least two
+    widths); None when there are fewer or the fit is degenerate. Clamped to [0, 10]."""
+    if len(points) < 2:
+        return None
+    ws, ts = list(points), list(points.values())
+    n, mw, mt = len(ws), sum(ws) / len(ws), sum(ts) / len(ts)
+    var = sum((w - mw) ** 2 for w in ws)
+    slope = sum((w - mw) * (t - mt) for w, t in zip(ws, ts)) / var
+    t0 = mt - slope * mw
+    if t0 <= 0:
+        return None
+    return min(10.0, max(0.0, slope / t0))
+
+
+class WidthPlanner:
+    """The batch-level draft width (module doc): `choose` once per step, before the drafts are fed.
+
+    times: the measured step times (`StepTimes`, kept by the pool per document); prior: the cost of
+    one draft column in plain steps before two widths are measured (`DEFAULT_COST_PER_DRAFT`);
+    cost_per_draft: a fixed c instead of any measurement (T(w) = 1 + c·w); probe / max_probe /
+    probe_k: the back-off (module doc)."""
+
+    def __init__(self, k_max: int, times: StepTimes | None = None, prior: float = 0.1,
+                 cost_per_draft: float | None = None, probe: int = 8, max_probe: int = 64, probe_k: int = 2):
+        self.k_max = int(k_max)
+        self.times = times if times is not None else StepTimes()
+        self.prior, self.cost = float(prior), cost_per_draft
+        self.probe0, self.max_probe, self.probe_k = int(probe), int(max_probe), int(probe_k)
+        self.probe = self.probe0
+        self.wait = 0
+        self._off = False  # the last choice with drafts available was plain
+        self._probed = False  # the last choice was a probe
+
+    def cost_ratio(self, agents: int) -> float:
+        """c (extra cost of one draft column per step, in units of t0): fitted from this agent
+        bucket's measured widths, else from the nearest bucket with two widths, else the prior."""
+        if self.cost is not None:
+            return float(self.cost)
+        c = fit_cost_ratio(self.times.seen(agents))
+        if c is not None:
+            return c
+        b = agent_bucket(agents)
+        for other in sorted(self.times.buckets(), key=lambda x: abs(x.bit_length() - b.bit_length())):
+            c = fit_cost_ratio(self.times.seen(other))
+            if c is not None:
+                return c
+        return self.prior
+
+    def step_costs(self, agents: int) -> list[float]:
+        """T(w) for w = 0..k_max: measured where seen (seconds), else the fitted line anchored on the
+        nearest measured width; relative units 1 + c·w when nothing is measured for this bucket (or
+        with a fixed cost_per_draft). Only the ratios matter."""
+        c = self.cost_ratio(agents)
+        seen = {} if self.cost is not None else self.times.seen(agents)
+        out = []
+        for w in range(self.k_max + 1):
+            if w in seen:
+                out.append(seen[w])
+            elif seen:
+                w0 = min(seen, key=lambda x: (abs(x - w), x))
+                out.append(seen[w0] * (1.0 + c * w) / (1.0 + c * w0))
+            else:
+                out.append(1.0 + c * w)
+        return out
+
+    def best(self, agents: list[tuple[float, int]], n_agents: int | None = None) -> tuple[int, list[float]]:
+        """(w maximising expected tokens per second, the score of every w). agents: (acceptance,
+        drafts available) of each agent that drafts; n_agents: all agents of the step (the others
+        emit one token whatever w is)."""
+        n = max(len(agents), int(n_agents) if n_agents is not None else len(agents))
+        costs = self.step_costs(n)
+        others = n - len(agents)
+        scores = [(others + sum(expected_tokens(a, min(k, w)) for a, k in agents)) / max(costs[w], 1e-12)
+                  for w in range(self.k_max + 1)]
+        w = 0
+        for j in range(1, self.k_max + 1):
+            if scores[j] > scores[w] * 1.0001:
+                w = j
+        return w, scores
+
+    def choose(self, agents: list[tuple[float, int]], n_agents: int | None = None) -> int:
+        """The width of the next step (0 = plain): `best`, with the back-off's probes while it is 0.
+        A probe's width is probe_k (capped by k_max and the longest draft available)."""
+        avail = max((k for _, k in agents), default=0)
+        w, _ = self.best(agents, n_agents)
+        probed, self._probed = self._probed, False
+        if w > 0 or avail == 0:
+            if w > 0:
+                self._off, self.probe, self.wait = False, self.probe0, 0
+            return w
+        if not self._off:  # just turned plain: wait before the first probe
+            self._off, self.wait = True, self.probe
+        elif probed:  # the probe did not bring the acceptance back: wait longer
+            self.probe = min(self.max_probe, 2 * self.probe)
+            self.wait = self.probe
+        if self.wait > 0:
+            self.wait -= 1
+            return 0
+        self._probed = True
+        return min(self.probe_k, self.k_max, avail)

@@ -1,23 +1,31 @@
 """Per-agent speculation state for a batch loop (`SharedKVPool.generate`, the engine).
 
     cfg = SpecConfig.parse({"method": "prompt_lookup", "num_draft_tokens": 4})
-    spec = Speculator(index=doc_ngram_index, tree=doc_outputs_tree, device_type="cpu")
+    spec = Speculator(index=doc_ngram_index, tree=doc_outputs_tree, device_type="cpu",
+                      times=doc_step_times)   # StepTimes kept across calls (optional)
     spec.add(key, prompt_ids, cfg)            # an agent and its suffix prompt
     spec.record(key, emitted, drafted)        # after a step: acceptance, contexts, outputs tree
-    drafts = spec.propose(key, limit)         # guesses after its last emitted token (to be fed)
+    spec.observe_step(width, seconds, agents) # a timed decode step (no prefill, no graph capture)
+    drafts = spec.propose_all({key: limit})   # every agent's guesses for the next step, one width
+    drafts = spec.propose(key, limit)         # one agent's guesses, its own AdaptiveLength
     spec.stats()                              # {steps, drafted, accepted, tokens, ...}
 
 Methods: "prompt_lookup" (`PromptLookup` over the document's `NgramIndex` and the agent's own
 tokens), "suffix_tree" (`SuffixTreeDrafter`: the document's outputs tree, then prompt lookup),
-"draft_model" (`DraftModel`, given as `draft_model=`). The draft length per agent comes from
-`AdaptiveLength` unless `adaptive` is false (then always num_draft_tokens).
+"draft_model" (`DraftModel`, given as `draft_model=`). How many drafts: `propose_all` drafts up to
+num_draft_tokens for every agent, then the batch's `WidthPlanner` picks one width for the step from
+the measured step times and every agent's acceptance and cuts every draft to it (a step costs its
+widest agent); `propose` (the engine) lets each agent's `AdaptiveLength` decide alone. With
+`adaptive` false: always num_draft_tokens.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
-from .adaptive import AdaptiveLength, StepCost
+from collections import Counter
+
+from .adaptive import AdaptiveLength, StepCost, StepTimes, WidthPlanner
 from .drafters import DraftModel, NgramIndex, PromptLookup, SuffixTree, SuffixTreeDrafter
 
 __all__ = ["METHODS", "SpecConfig", "Speculator", "DEFAULT_COST_PER_DRAFT"]
@@ -82,11 +90,15 @@ class Speculator:
     """See module doc. index / tree: the document's n-gram index and outputs tree (either may be
     None: prompt lookup then matches the agent's own tokens only; no tree is updated)."""
 
-    def __init__(self, index: NgramIndex | None = None, tree: SuffixTree | None = None, device_type: str = "cpu"):
+    def __init__(self, index: NgramIndex | None = None, tree: SuffixTree | None = None, device_type: str = "cpu",
+                 times: StepTimes | None = None):
         self.index, self.tree, self.device_type = index, tree, device_type
         self._agents: dict = {}
-        prior = DEFAULT_COST_PER_DRAFT.get(device_type, DEFAULT_COST_PER_DRAFT["cpu"])
-        self.step_cost = StepCost(prior)  # measured from `observe_step`; agents without a set cost use it
+        self.prior = DEFAULT_COST_PER_DRAFT.get(device_type, DEFAULT_COST_PER_DRAFT["cpu"])
+        self.step_cost = StepCost(self.prior)  # measured from `observe_step`; agents without a set cost use it
+        self.times = times if times is not None else StepTimes()  # per (agents, width): `propose_all`
+        self.planner: WidthPlanner | None = None  # created by the first adaptive agent
+        self.widths: Counter = Counter()  # widths `propose_all` chose, per step
         self._measured: set = set()
         self.steps = self.drafted = self.accepted = self.tokens = self.agent_steps = 0
 
@@ -104,6 +116,10 @@ class Speculator:
                                 cost_per_draft=self.step_cost.cost_per_draft if cost is None else cost)
         if cost is None:
             self._measured.add(key)  # follows `observe_step`
+        if config.adaptive:
+            if self.planner is None:
+                self.planner = WidthPlanner(config.num_draft_tokens, self.times, self.prior, cost)
+            self.planner.k_max = max(self.planner.k_max, config.num_draft_tokens)
         handle = self.tree.start() if self.tree is not None else None
         self._agents[key] = _AgentSpec([int(t) for t in prompt_ids], drafter, length, handle, key)
 
@@ -120,10 +136,37 @@ class Speculator:
             k = min(k, int(limit))
         if k <= 0:
             return []
-        ctx = st.context
+        return self._draft(st, k)
+
+    def _draft(self, st: _AgentSpec, k: int) -> list[int]:
+        if k <= 0:
+            return []
         if isinstance(st.drafter, DraftModel):
-            return st.drafter.propose(ctx, k, key=key)[:k]
-        return st.drafter.propose(ctx, k)[:k]
+            return st.drafter.propose(st.context, k, key=st.key)[:k]
+        return st.drafter.propose(st.context, k)[:k]
+
+    def propose_all(self, limits: dict, agents: int | None = None) -> dict:
+        """Drafts for the next step of every agent in `limits` ({key: at most this many drafts},
+        e.g. the tokens it may still emit minus one): each drafts up to its num_draft_tokens, then
+        the `WidthPlanner` picks the step's width w from the measured step times (`observe_step`)
+        and the agents' acceptance and cuts the adaptive agents' drafts to w (0: plain decoding for
+        all; agents of a fixed length keep theirs). agents: every agent of the step (default: the
+        keys), those without drafts emit one token each. Returns {key: drafts} (maybe empty)."""
+        out = {}
+        for key, limit in limits.items():
+            st = self._agents.get(key)
+            if st is not None:
+                out[key] = self._draft(st, min(st.length.k_max, int(limit)))
+        adaptive = [k for k in out if not self._agents[k].length.fixed]
+        if self.planner is None or not adaptive:
+            return out
+        w = self.planner.choose([(self._agents[k].length.acceptance, len(out[k])) for k in adaptive],
+                                agents if agents is not None else len(limits))
+        self.widths[w] += 1
+        w = max([w] + [len(d) for k, d in out.items() if self._agents[k].length.fixed])  # free up to there
+        for k in adaptive:
+            out[k] = out[k][:w]
+        return out
 
     def record(self, key, emitted: list[int], drafted: int) -> None:
         """After a step of agent `key`: the tokens it emitted (all of them, kept or not) and how many
@@ -142,9 +185,12 @@ class Speculator:
             self.tokens += len(emitted)
             self.agent_steps += 1
 
-    def observe_step(self, width: int, seconds: float) -> None:
-        """A timed batch decode step whose widest agent verified `width` drafts (0: plain); agents
-        whose config left cost_per_draft unset draft by the cost measured so far (`StepCost`)."""
+    def observe_step(self, width: int, seconds: float, agents: int | None = None) -> None:
+        """A timed batch decode step of `agents` agents (default: the agents added and not removed)
+        whose widest agent verified `width` drafts (0: plain): into `times` (the planner's T(w))
+        and `StepCost` (agents whose config left cost_per_draft unset draft by the cost measured so
+        far). Leave out steps that prefilled prompts or captured a graph."""
+        self.times.observe(agents if agents is not None else max(1, len(self._agents)), width, seconds)
         self.step_cost.observe(width, seconds)
         c = self.step_cost.cost_per_draft
         for key in self._measured:
@@ -166,9 +212,12 @@ class Speculator:
         tokens emitted by agents in verify forwards; agent_steps: (agent, verify forward) pairs;
         tokens_per_step = tokens / agent_steps; acceptance = accepted / drafted; cost_per_draft: the
         draft-column cost the adaptive length used last (`StepCost`), timed_widths: the widths of the
-        timed steps it was fitted on."""
+        timed steps it was fitted on; widths: {w: steps} the batch planner chose (`propose_all`;
+        0 = plain); step_times_ms: {agent bucket: {width: ms}} the planner's measured T(w)."""
         return dict(steps=self.steps, drafted=self.drafted, accepted=self.accepted, tokens=self.tokens,
                     agent_steps=self.agent_steps, cost_per_draft=self.step_cost.cost_per_draft,
                     timed_widths=sorted({w for w, _ in self.step_cost.obs}),
+                    widths=dict(sorted(self.widths.items())),
+                    step_times_ms={b: {w: t * 1e3 for w, t in ws.items()} for b, ws in self.times.table().items()},
                     tokens_per_step=self.tokens / self.agent_steps if self.agent_steps else 0.0,
                     acceptance=self.accepted / self.drafted if self.drafted else 0.0)

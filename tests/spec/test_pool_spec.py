@@ -228,3 +228,45 @@ def test_generate_reports_step_times_by_draft_width(setup):
     assert 1 <= max(counts) <= 3
     assert sum(n for w, n in counts.items() if w) == lg["speculative"]["steps"]  # the verify forwards
     assert all(ms > 0 for ms in lg["step_ms"]["by_width"].values())
+
+
+def test_step_times_persist_across_calls_and_skip_captures(setup, monkeypatch):
+    """generate times its decode steps by (agents, width) into the document's StepTimes, plain calls
+    included, so the next call's width planner starts from them; a step that captured a graph (here
+    a capture made slow on purpose) is never timed."""
+    import functools
+    import time as _time
+
+    from polykv.pool import decode_graph
+    from polykv.pool.decode_graph import DecodeGraphs
+    from polykv.spec.adaptive import StepTimes
+
+    model, _, _ = setup
+    pool = SharedKVPool(model, CharTok(), k="q8_0", v="turbo3")
+    doc = pool.add_document(DOC)
+
+    class Slow(DecodeGraphs):
+        def _capture(self, B, n_q):
+            _time.sleep(0.25)
+            return super()._capture(B, n_q)
+
+    monkeypatch.setattr(decode_graph, "graphs_supported", lambda cache: True)
+    monkeypatch.setattr(decode_graph, "DecodeGraphs", functools.partial(Slow, capture=False))
+    seen = []
+    observe = StepTimes.observe
+    monkeypatch.setattr(StepTimes, "observe", lambda self, n, w, s: (seen.append((n, w, s)), observe(self, n, w, s)))
+    pool.generate(doc, PROMPTS, max_new_tokens=10)
+    lg = pool.last_generate
+    times = pool._docs[doc].step_times
+    assert lg["graph_captures"] > 0 and len(seen) == lg["steps"] - 1 - lg["graph_captures"]
+    assert all(s < 0.25 for _, _, s in seen) and {w for _, w, _ in seen} == {0}
+    assert times.estimate(len(PROMPTS), 0) is not None
+    seen.clear()
+    pool.generate(doc, PROMPTS, max_new_tokens=10, speculative={"method": "prompt_lookup", "num_draft_tokens": 3,
+                                                                "min_ngram": 1})
+    lg = pool.last_generate
+    assert pool._docs[doc].step_times is times and seen and all(s < 0.25 for _, _, s in seen)
+    assert len(seen) == lg["steps"] - 1 - lg["graph_captures"]
+    st = lg["speculative"]
+    assert st["step_times_ms"][8][0] > 0  # the plain call's T(0), read by this call's planner
+    assert sum(st["widths"].values()) >= 1
