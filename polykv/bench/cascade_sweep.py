@@ -18,12 +18,11 @@ import torch
 
 from polykv.bench.attention import bench_one
 
-CONFIGS = [
+CONFIGS = [  # risky builds last: one that dies in LLVM slows every later config of the process
     {},  # the defaults
-    dict(prefix_tune=dict(prefetch=2)),
-    dict(prefix_tune=dict(prefetch=0)),
-    dict(prefix_tune=dict(prefetch=0, num_stages=2)),  # the defaults before v9
-    dict(prefix_tune=dict(prefetch=2, maxnreg=168)),
+    dict(prefix_tune=dict(vector_factors=False, maxnreg=None)),  # v9: factors loaded per row
+    dict(prefix_tune=dict(maxnreg=None)),  # v10's loads without the register cap (213: 2 per SM)
+    dict(prefix_tune=dict(num_stages=4)),
 ]
 
 

@@ -14,7 +14,7 @@ import triton
 import triton.language as tl
 
 from ..codecs import Packed
-from .triton_decode import decode_prepared
+from .triton_decode import PHASE_MAX_ROWS, decode_prepared
 
 
 @triton.jit
@@ -92,10 +92,13 @@ def cascade_prepared(qp: torch.Tensor, n_q: int, prefix_k: Packed, prefix_v: Pac
     # all agents' rows of a KV head side by side: [1, Hkv, N*M, D]
     qc = qp.permute(1, 0, 2, 3).reshape(1, Hkv, N * M, D).contiguous()
     plen = _prefix_lens(P, qp.device)
+    # H200, 64k prefix (kernels_notes v9/v10): 3 pipeline stages; 168 registers = 3 tile-kernel
+    # programs per SM (the vector factor loads of v10 alone build at 213 = 2 per SM)
+    tile = {"num_stages": 3, "maxnreg": 168} if N * M > PHASE_MAX_ROWS else {"num_stages": 3}
     out_p, lse_p = decode_prepared(qc, n_q, prefix_k, prefix_v, k_codec, v_codec, plen,
                                    causal=False, window=None, sm_scale=sm_scale,
                                    **{"block_m_max": prefix_block_m,
-                                      "num_stages": 3 if D <= 128 else 2, **kw,
+                                      **(tile if D <= 128 and qp.is_cuda else {}), **kw,
                                       **(prefix_tune or {})})
     out_p = out_p.reshape(Hkv, N, M, D).permute(1, 0, 2, 3)
     lse_p = lse_p.reshape(Hkv, N, M).permute(1, 0, 2)

@@ -41,34 +41,49 @@ def _store_o(O, o_off, rmask, acc, g: tl.constexpr, GW: tl.constexpr, NPH: tl.co
 
 
 @triton.jit
-def _norm(SCALES, srow_off, nmask, g: tl.constexpr):
-    return tl.load(SCALES + srow_off + g, mask=nmask, other=0.0).to(tl.float32)
+def _norm(SCALES, srow_off, srow0, nvalid, nmask, g: tl.constexpr, PAIRS: tl.constexpr):
+    """float32 [BN] turbo norms of the tile's rows (group g); srow_off int64 [BN] their offsets,
+    srow0 the first one, nvalid how many rows are keys (the first ones: nmask). PAIRS (the host checked: one norm per row, stride 1, even offsets, even
+    capacity): read as int32 pairs of fp16 — a 4-byte load Triton pipelines through cp.async,
+    where a 2-byte load of one norm per row stays a synchronous load in the loop (ncu v9: the
+    prefix pass's top stall)."""
+    if PAIRS:
+        BN: tl.constexpr = nmask.shape[0]
+        i2 = tl.arange(0, BN // 2)
+        w = tl.load(SCALES.to(tl.pointer_type(tl.int32)) + srow0 // 2 + i2,
+                    mask=2 * i2 < nvalid, other=0)
+        lo = (w & 0xFFFF).to(tl.uint16).to(tl.float16, bitcast=True)
+        hi = ((w >> 16) & 0xFFFF).to(tl.uint16).to(tl.float16, bitcast=True)
+        n = tl.where(nmask, tl.reshape(tl.join(lo, hi), [BN]).to(tl.float32), 0.0)
+    else:
+        n = tl.load(SCALES + srow_off + g, mask=nmask, other=0.0).to(tl.float32)
+    return n
 
 
 @triton.jit
-def _kdot(q, KC, KS, KCENT, k_off, ks_off, nmask, g: tl.constexpr, BLOCK_N: tl.constexpr,
+def _kdot(q, KC, KS, KCENT, k_off, ks_off, ks0, nvalid, nmask, g: tl.constexpr, BLOCK_N: tl.constexpr,
           D: tl.constexpr, KIND: tl.constexpr, BITS: tl.constexpr, G: tl.constexpr,
           GW: tl.constexpr, NPH: tl.constexpr, DEC: tl.constexpr,
           A0: tl.constexpr, A1: tl.constexpr, A2: tl.constexpr, A3: tl.constexpr,
-          A4: tl.constexpr, A5: tl.constexpr, A6: tl.constexpr, A7: tl.constexpr):
+          A4: tl.constexpr, A5: tl.constexpr, A6: tl.constexpr, A7: tl.constexpr, PAIRS: tl.constexpr = False):
     k = load_tile(KC, KS, KCENT, k_off, ks_off, nmask, g, BLOCK_N, D, KIND, BITS, G, GW, NPH,
                   DEC, A0, A1, A2, A3, A4, A5, A6, A7)
     s = tl.dot(q, tl.trans(k))
     if KIND == 3:
-        s = s * _norm(KS, ks_off, nmask, g)[None, :]
+        s = s * _norm(KS, ks_off, ks0, nvalid, nmask, g, PAIRS)[None, :]
     return s
 
 
 @triton.jit
-def _pv(acc, alpha, p, VC, VS, VCENT, v_off, vs_off, nmask, g: tl.constexpr,
+def _pv(acc, alpha, p, VC, VS, VCENT, v_off, vs_off, vs0, nvalid, nmask, g: tl.constexpr,
         BLOCK_N: tl.constexpr, D: tl.constexpr, KIND: tl.constexpr, BITS: tl.constexpr,
         G: tl.constexpr, GW: tl.constexpr, NPH: tl.constexpr, DEC: tl.constexpr,
         A0: tl.constexpr, A1: tl.constexpr, A2: tl.constexpr, A3: tl.constexpr,
-        A4: tl.constexpr, A5: tl.constexpr, A6: tl.constexpr, A7: tl.constexpr):
+        A4: tl.constexpr, A5: tl.constexpr, A6: tl.constexpr, A7: tl.constexpr, PAIRS: tl.constexpr = False):
     v = load_tile(VC, VS, VCENT, v_off, vs_off, nmask, g, BLOCK_N, D, KIND, BITS, G, GW, NPH,
                   DEC, A0, A1, A2, A3, A4, A5, A6, A7)
     if KIND == 3:  # fold the per-token norm into P: the V tile is centroids only
-        pd = (p * _norm(VS, vs_off, nmask, g)[None, :]).to(tl.float16)
+        pd = (p * _norm(VS, vs_off, vs0, nvalid, nmask, g, PAIRS)[None, :]).to(tl.float16)
     else:
         pd = p.to(tl.float16)
     return acc * alpha[:, None] + tl.dot(pd, v)
@@ -140,7 +155,9 @@ def _decode_kernel(
         KA0: tl.constexpr, KA1: tl.constexpr, KA2: tl.constexpr, KA3: tl.constexpr,
         KA4: tl.constexpr, KA5: tl.constexpr, KA6: tl.constexpr, KA7: tl.constexpr,
         VA0: tl.constexpr, VA1: tl.constexpr, VA2: tl.constexpr, VA3: tl.constexpr,
-        VA4: tl.constexpr, VA5: tl.constexpr, VA6: tl.constexpr, VA7: tl.constexpr):
+        VA4: tl.constexpr, VA5: tl.constexpr, VA6: tl.constexpr, VA7: tl.constexpr,
+        K_PAIRS: tl.constexpr = False, V_PAIRS: tl.constexpr = False,
+        K_SROW: tl.constexpr = 1, V_SROW: tl.constexpr = 1):
     pid_bh = tl.program_id(0)
     pid_s = tl.program_id(1)
     pid_m = tl.program_id(2)
@@ -179,18 +196,27 @@ def _decode_kernel(
         nmask = offs_n < end
         on = _row_index(PT, PT_STRIDE, b, n0, offs_n, PAGE, BLOCK_N)
         k_off = kbase + on * sks
-        ks_off = ksbase + on * skss
+        # K_SROW / V_SROW: every row's scales start at a multiple of that many elements (the
+        # host checked), so a q8_0 row of scales is one vector load Triton can pipeline
+        ks_off = tl.multiple_of(ksbase + on * skss, K_SROW)
+        nvalid = end - n0
+        ks0 = ksbase
+        vs0 = vsbase
+        if K_PAIRS or V_PAIRS:  # the tile's first storage row
+            on0 = tl.sum(_row_index(PT, PT_STRIDE, b, n0, n0 + tl.arange(0, 1), PAGE, 1), 0)
+            ks0 += on0
+            vs0 += on0
         # ---- scores
-        s = _kdot(q0, KC, KS, KCENT, k_off, ks_off, nmask, 0, BLOCK_N, D, K_KIND, K_BITS, K_G,
-                  K_GW, K_NPH, K_DEC, KA0, KA1, KA2, KA3, KA4, KA5, KA6, KA7)
+        s = _kdot(q0, KC, KS, KCENT, k_off, ks_off, ks0, nvalid, nmask, 0, BLOCK_N, D, K_KIND, K_BITS, K_G,
+                  K_GW, K_NPH, K_DEC, KA0, KA1, KA2, KA3, KA4, KA5, KA6, KA7, K_PAIRS)
         if NGK > 1:
-            s += _kdot(q1, KC, KS, KCENT, k_off, ks_off, nmask, 1, BLOCK_N, D, K_KIND, K_BITS,
-                       K_G, K_GW, K_NPH, K_DEC, KA0, KA1, KA2, KA3, KA4, KA5, KA6, KA7)
+            s += _kdot(q1, KC, KS, KCENT, k_off, ks_off, ks0, nvalid, nmask, 1, BLOCK_N, D, K_KIND, K_BITS,
+                       K_G, K_GW, K_NPH, K_DEC, KA0, KA1, KA2, KA3, KA4, KA5, KA6, KA7, K_PAIRS)
         if NGK > 2:
-            s += _kdot(q2, KC, KS, KCENT, k_off, ks_off, nmask, 2, BLOCK_N, D, K_KIND, K_BITS,
-                       K_G, K_GW, K_NPH, K_DEC, KA0, KA1, KA2, KA3, KA4, KA5, KA6, KA7)
-            s += _kdot(q3, KC, KS, KCENT, k_off, ks_off, nmask, 3, BLOCK_N, D, K_KIND, K_BITS,
-                       K_G, K_GW, K_NPH, K_DEC, KA0, KA1, KA2, KA3, KA4, KA5, KA6, KA7)
+            s += _kdot(q2, KC, KS, KCENT, k_off, ks_off, ks0, nvalid, nmask, 2, BLOCK_N, D, K_KIND, K_BITS,
+                       K_G, K_GW, K_NPH, K_DEC, KA0, KA1, KA2, KA3, KA4, KA5, KA6, KA7, K_PAIRS)
+            s += _kdot(q3, KC, KS, KCENT, k_off, ks_off, ks0, nvalid, nmask, 3, BLOCK_N, D, K_KIND, K_BITS,
+                       K_G, K_GW, K_NPH, K_DEC, KA0, KA1, KA2, KA3, KA4, KA5, KA6, KA7, K_PAIRS)
         s = s * qk_scale
         vis = nmask[None, :] & rmask[:, None]
         if CAUSAL:
@@ -209,20 +235,20 @@ def _decode_kernel(
         m_i = m_new
         # ---- values
         v_off = vbase + on * svs
-        vs_off = vsbase + on * svss
-        acc0 = _pv(acc0, alpha, p, VC, VS, VCENT, v_off, vs_off, nmask, 0, BLOCK_N, D, V_KIND,
-                   V_BITS, V_G, V_GW, V_NPH, V_DEC, VA0, VA1, VA2, VA3, VA4, VA5, VA6, VA7)
+        vs_off = tl.multiple_of(vsbase + on * svss, V_SROW)
+        acc0 = _pv(acc0, alpha, p, VC, VS, VCENT, v_off, vs_off, vs0, nvalid, nmask, 0, BLOCK_N, D, V_KIND,
+                   V_BITS, V_G, V_GW, V_NPH, V_DEC, VA0, VA1, VA2, VA3, VA4, VA5, VA6, VA7, V_PAIRS)
         if NGV > 1:
-            acc1 = _pv(acc1, alpha, p, VC, VS, VCENT, v_off, vs_off, nmask, 1, BLOCK_N, D,
+            acc1 = _pv(acc1, alpha, p, VC, VS, VCENT, v_off, vs_off, vs0, nvalid, nmask, 1, BLOCK_N, D,
                        V_KIND, V_BITS, V_G, V_GW, V_NPH, V_DEC,
-                       VA0, VA1, VA2, VA3, VA4, VA5, VA6, VA7)
+                       VA0, VA1, VA2, VA3, VA4, VA5, VA6, VA7, V_PAIRS)
         if NGV > 2:
-            acc2 = _pv(acc2, alpha, p, VC, VS, VCENT, v_off, vs_off, nmask, 2, BLOCK_N, D,
+            acc2 = _pv(acc2, alpha, p, VC, VS, VCENT, v_off, vs_off, vs0, nvalid, nmask, 2, BLOCK_N, D,
                        V_KIND, V_BITS, V_G, V_GW, V_NPH, V_DEC,
-                       VA0, VA1, VA2, VA3, VA4, VA5, VA6, VA7)
-            acc3 = _pv(acc3, alpha, p, VC, VS, VCENT, v_off, vs_off, nmask, 3, BLOCK_N, D,
+                       VA0, VA1, VA2, VA3, VA4, VA5, VA6, VA7, V_PAIRS)
+            acc3 = _pv(acc3, alpha, p, VC, VS, VCENT, v_off, vs_off, vs0, nvalid, nmask, 3, BLOCK_N, D,
                        V_KIND, V_BITS, V_G, V_GW, V_NPH, V_DEC,
-                       VA0, VA1, VA2, VA3, VA4, VA5, VA6, VA7)
+                       VA0, VA1, VA2, VA3, VA4, VA5, VA6, VA7, V_PAIRS)
 
     inv, prow = _store_split_lse(m_i, l_i, L_PART, q_rows, rmask, N_SPLITS, pid_s)
     o_off = prow * D
@@ -277,6 +303,22 @@ def _strides(p: Packed, bcast_b: bool):
     return c, s, cs, ss
 
 
+def _scale_layout(p: Packed, ss: tuple) -> tuple[bool, int]:
+    """(PAIRS, SROW) of the tile kernel for a packed tensor's scales, strides ss (elements):
+    PAIRS — one fp16 factor per row, rows contiguous, even offsets and capacity (read as int32
+    pairs); SROW — every row's factors start at a multiple of this many elements (its row width
+    when the strides and the base allow, else 1), so a row of q8_0 block scales is one vector."""
+    s = p.scales
+    if s is None or s.element_size() != 2:
+        return False, 1
+    row = s.shape[-1]
+    aligned = lambda n: all(x % n == 0 for x in ss) and s.data_ptr() % (2 * n) == 0
+    pairs = row == 1 and ss[2] == 1 and all(x % 2 == 0 for x in ss[:2]) and s.shape[2] % 2 == 0 \
+        and s.data_ptr() % 4 == 0
+    srow = row if row & (row - 1) == 0 and aligned(row) else 1
+    return pairs, srow
+
+
 def _block_n(d: int) -> int:
     return {64: 64, 128: 64, 256: 32, 512: 32}.get(d, 32)
 
@@ -311,12 +353,16 @@ def decode_prepared(qp: torch.Tensor, n_q: int, k: Packed, v: Packed, k_codec, v
                     num_warps: int | None = None, num_stages: int = 2, block_n: int | None = None,
                     dec: str = "auto", impl: str = "auto", maxnreg: int | None = None,
                     page_table: torch.Tensor | None = None, page_size: int = 0,
-                    kv_start: torch.Tensor | None = None, out_dtype: torch.dtype | None = None):
+                    kv_start: torch.Tensor | None = None, out_dtype: torch.dtype | None = None,
+                    vector_factors: bool = True):
     """qp: [B, Hkv, M, D] contiguous (any float dtype), already in K's storage domain (rotated / InnerQ-
     divided), rows r = head_in_group * n_q + j. k, v: Packed leading [B or 1, Hkv, S_cap].
     dec: "asm" (PTX byte-permute lookup, CUDA only), "select" (plain Triton), "auto" (asm where it
     applies and builds). impl: "phase" (_phase_decode_kernel), "tile" (_decode_kernel), "auto"
-    (phase where both codecs allow it: phase_ok). maxnreg: a register cap per thread (tuning). page_table int32 [B, max_pages] (with
+    (phase where both codecs allow it: phase_ok). maxnreg: a register cap per thread (tuning).
+    vector_factors: the tile kernel reads the per-row factors (turbo norms as int32 pairs, q8_0 /
+    q4_0 block scales as one vector per row) with loads Triton pipelines, where the layout allows
+    (_scale_layout); False: plain per-element loads (A/B timing). page_table int32 [B, max_pages] (with
     page_size): k, v are a page pool (leading [1, Hkv, rows]) and row n of sequence b lives at
     page_table[b, n // page_size] * page_size + n % page_size. kv_start int32 [B]: rows before it
     are left padding, never keys. Returns out float32 [B, Hkv, M, D] in V's storage domain, lse
@@ -390,8 +436,11 @@ def decode_prepared(qp: torch.Tensor, n_q: int, k: Packed, v: Packed, k_codec, v
             return {f"{pre}_KIND": m["KIND"], f"{pre}_BITS": m["BITS"], f"{pre}_G": m["G"],
                     f"{pre}_NG": D // m["GW"], f"{pre}_NPH": m["NPH"], f"{pre}_NSB": m["NSB"],
                     f"{pre}_PW": m["PW"], f"{pre}_DEC": d}
+        pairs, srow = _scale_layout(k if pre == "K" else v, kss if pre == "K" else vss)
         return {f"{pre}_KIND": m["KIND"], f"{pre}_BITS": m["BITS"], f"{pre}_G": m["G"],
-                f"{pre}_GW": m["GW"], f"{pre}_NPH": m["NPH"], f"{pre}_DEC": d}
+                f"{pre}_GW": m["GW"], f"{pre}_NPH": m["NPH"], f"{pre}_DEC": d,
+                f"{pre}_PAIRS": pairs and m["KIND"] == 3 and vector_factors,
+                f"{pre}_SROW": srow if vector_factors else 1}
 
     kernel = _phase_decode_kernel if phase else _decode_kernel
 

@@ -33,35 +33,36 @@ def _pack(idx, BT: tl.constexpr, L: tl.constexpr, BITS: tl.constexpr):
 
 @triton.jit
 def _rne(x):
-    """Round half to even (torch.round)."""
-    fl = tl.floor(x)
-    diff = x - fl
-    odd = (fl - 2.0 * tl.floor(fl * 0.5)) != 0.0
-    up = (diff > 0.5) | ((diff == 0.5) & odd)
-    return tl.where(up, fl + 1.0, fl)
+    """Round half to even (torch.round) for |x| < 2**22: adding 1.5 * 2**23 leaves no fraction
+    bits, so the fp32 add rounds x to an integer the IEEE way (half to even) and the subtraction
+    is exact — 2 instructions, where floor-based rounding took ~8 (the kernel builds without FMA
+    contraction, and nothing reassociates fp adds)."""
+    return (x + 12582912.0) - 12582912.0
 
 
 @triton.jit
 def _turbo_index(u, BOUNDS, CENT, BITS: tl.constexpr):
-    """Lloyd-Max index of u [BT, G] (torch.bucketize(u, bounds): #(bounds < u)) and the squared
-    centroid of that index. Up to 4 bits the codebook is symmetric (centroids -c / +c, boundaries
-    -b / 0 / +b; checked on the host, `_symmetric`), so |u| is compared with the positive
-    boundaries only, against scalars held in registers, and c^2 accumulated by its steps: no
-    gather. A |u| exactly on a boundary takes the upper index on both sides (torch: the lower on
-    the negative side; a neighbouring index, as a rounding difference would give). Wider codes:
-    binary search with gathers."""
+    """Lloyd-Max index of u [BT, G] (torch.bucketize(u, bounds): #(bounds < u)) and the per-row
+    sum of the squared centroids of those indices [BT]. Up to 4 bits the codebook is symmetric
+    (centroids -c / +c, boundaries -b / 0 / +b; checked on the host, `_symmetric`), so |u| is
+    compared with the positive boundaries only, against scalars held in registers, and the sum of
+    c^2 comes from how many values of the row pass each boundary (a row sum per boundary, no
+    [BT, G] tensor of squares live through the search): no gather. A |u| exactly on a boundary
+    takes the upper index on both sides (torch: the lower on the negative side; a neighbouring
+    index, as a rounding difference would give). Wider codes: binary search with gathers."""
     if BITS <= 4:
         HALF: tl.constexpr = 1 << (BITS - 1)
+        G: tl.constexpr = u.shape[1]
         a = tl.abs(u)
         c0 = tl.load(CENT + HALF)
-        c2 = tl.zeros(u.shape, tl.float32) + c0 * c0
+        c2sum = tl.zeros([u.shape[0]], tl.float32) + G * (c0 * c0)
         m = tl.zeros(u.shape, tl.float32)  # counted in float: select + add, no predicate-to-int
         for k in tl.static_range(HALF - 1):
-            above = tl.load(BOUNDS + HALF + k) < a
-            m += tl.where(above, 1.0, 0.0)
+            above = tl.where(tl.load(BOUNDS + HALF + k) < a, 1.0, 0.0)
+            m += above
             lo = tl.load(CENT + HALF + k)
             hi = tl.load(CENT + HALF + k + 1)
-            c2 += tl.where(above, hi * hi - lo * lo, 0.0)
+            c2sum += tl.sum(above, 1) * (hi * hi - lo * lo)
         idx = tl.where(u > 0, HALF + m, HALF - 1 - m).to(tl.int32)
     else:
         idx = tl.zeros(u.shape, tl.int32)
@@ -69,8 +70,8 @@ def _turbo_index(u, BOUNDS, CENT, BITS: tl.constexpr):
             bnd = tl.load(BOUNDS + idx + ((1 << (BITS - 1 - k)) - 1))
             idx = tl.where(bnd < u, idx + (1 << (BITS - 1 - k)), idx)
         c = tl.load(CENT + idx)
-        c2 = c * c
-    return idx, c2
+        c2sum = tl.sum(c * c, 1)
+    return idx, c2sum
 
 
 @triton.jit
@@ -116,8 +117,8 @@ def _quantize_kernel(X, POS, SCL, CODES, SCALES, ROT, CENT, BOUNDS,
                 # u = (x @ R) * sqrt(G) / ||x|| = (x @ R*sqrt(G)) / ||x||
                 scl = tl.math.div_rn(tl.full([BLOCK_T], 1.0, tl.float32), safe)
                 u = y * scl[:, None]
-                idx, c2 = _turbo_index(u, BOUNDS, CENT, BITS)
-                cn = tl.sqrt(tl.sum(c2, 1))
+                idx, c2sum = _turbo_index(u, BOUNDS, CENT, BITS)
+                cn = tl.sqrt(c2sum)
                 corr = tl.where(norm > 0, tl.math.div_rn(norm, tl.where(cn > 0, cn, 1.0)), 0.0)
                 tl.store(SCALES + srow + g, corr.to(tl.float16), mask=tmask)
                 if BITS == 8:
@@ -191,7 +192,7 @@ def quantize_into_triton(dst: Packed, x: torch.Tensor, codec, positions: torch.T
     """x [B, Hkv, T, D]; positions int [B, T]; dst Packed leading [B, Hkv, S_cap]. Row tiles of
     `block_t` rows (default: turbo 128 on 8 warps, fewer for short T; others 32).
     programs_per_sm: at most that many programs per SM, each walking several tiles
-    (`_quantize_kernel`); 0: one program per tile (default: 4 for turbo, 0 otherwise)."""
+    (`_quantize_kernel`); 0: one program per tile (default: 2 for turbo, 0 otherwise)."""
     B, Hkv, T, D = x.shape
     meta = codec_meta(codec)
     dev = x.device
@@ -213,14 +214,14 @@ def quantize_into_triton(dst: Packed, x: torch.Tensor, codec, positions: torch.T
     scl = innerq.to(device=dev, dtype=torch.float32).contiguous() if innerq is not None else dummy
     turbo = meta["KIND"] == 3
     split = x.dtype != torch.float16 or innerq is not None
-    cap_key = (meta["KIND"], meta["BITS"], D, split, innerq is not None, str(dev))
+    cap_key = (meta["KIND"], meta["BITS"], D, x.dtype, innerq is not None, str(dev))
     chosen = block_t is not None
     if block_t is None:  # H200 sweep (docs/kernels_notes.md, quantize): 128-row turbo tiles on 8 warps
         # (at most 128 x 128 values a tile: D = 256 at 128 rows needed 240 KB of shared memory)
         block_t = (min(16384 // D, max(16, triton.next_power_of_2(T))) if turbo else (32 if T >= 32 else 16))
         block_t = min(block_t, _TILE_CAP.get(cap_key, block_t))
-    if programs_per_sm is None:
-        programs_per_sm = 4 if turbo else 0
+    if programs_per_sm is None:  # H200, v10 builds: turbo3 69.1 us at 2 per SM, 72.1 at 4, 78.7 at 8
+        programs_per_sm = 2 if turbo else 0
     while True:
         n_tiles = triton.cdiv(T, block_t)
         per_head = (max(1, triton.cdiv(programs_per_sm * _sm_count(dev), B * Hkv)) if programs_per_sm > 0
@@ -244,7 +245,7 @@ def quantize_into_triton(dst: Packed, x: torch.Tensor, codec, positions: torch.T
             _TILE_CAP[cap_key] = block_t
 
 
-_TILE_CAP: dict = {}  # (kind, bits, D, two-dot rotation, InnerQ, device) -> largest tile that built
+_TILE_CAP: dict = {}  # (kind, bits, D, row dtype, InnerQ, device) -> largest tile that built
 
 
 _SYMMETRIC: set = set()
