@@ -95,6 +95,7 @@ class AgentBatch:
         self._slots: list[int] = []  # slot -> aid
         self._ids = itertools.count()
         self._closed = False
+        self._failed = False  # a forward raised: close() frees the storage instead of parking it
         self.peak_bytes = self.cache.nbytes()
         self._rows = SamplingRows(self.cache.batch_capacity, pool.device)  # per-slot set_sampling
 
@@ -325,11 +326,18 @@ class AgentBatch:
         """One forward of `group` (left-padded). keep = 0: logits [G, vocab] of each agent's last
         column (+ greedy ids from a captured step, else None); keep > 0: logits [G, keep, vocab] of
         the last `keep` columns (verification)."""
+        try:
+            return self._forward_once(group, keep)
+        except BaseException:
+            self._failed = True  # storage and graphs of a failed forward are not handed on (close)
+            raise
+
+    def _forward_once(self, group: list[_Agent], keep: int) -> tuple[torch.Tensor, torch.Tensor | None]:
         n_q = max(len(a.pending) for a in group)
         if self._graphs is not None and all(a.slot == g for g, a in enumerate(group)):
             if not keep and n_q == 1:
                 return self._graphs.run([a.pending[0] for a in group])
-            if keep:  # a verification step: captured per (bucket, power-of-two width)
+            if keep:  # a verification step: captured per (bucket, exact width)
                 return self._graphs.run_columns([a.pending for a in group], keep), None
         model = self.pool.model
         counts = [len(a.pending) for a in group]
@@ -363,7 +371,7 @@ class AgentBatch:
         self._agents.clear()
         self._slots.clear()
         graphs = self._graphs if self._graphs is self._own_graphs else None
-        parked = Parked(self.cache, graphs, self.backend, self.graphs, self.doc_id)
+        parked = None if self._failed else Parked(self.cache, graphs, self.backend, self.graphs, self.doc_id)
         self.cache = None
         self._graphs = self._own_graphs = None
         self.pool._release(self, parked)

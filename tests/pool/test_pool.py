@@ -326,3 +326,22 @@ def test_threads_share_parked_batches(tiny):
         t.join()
     assert not errs and got == want
     assert pool.documents()[0]["refs"] == 0 and pool.memory_report()["parked_batches"] == 1
+
+
+def test_a_failed_forward_is_not_parked(tiny, monkeypatch):
+    """A batch whose forward raised (a failed capture, a kernel error) frees its storage at close
+    instead of handing it to the next batch."""
+    model, tok = tiny
+    pool = SharedKVPool(model, tok, prefill_chunk=32)
+    doc = pool.add_document(DOC)
+    b = pool.open_batch(doc)
+    a = b.add([5, 6])
+    b.step()
+    monkeypatch.setattr(type(b), "_forward_once", lambda self, group, keep: 1 / 0)
+    b.feed({a: 7})
+    with pytest.raises(ZeroDivisionError):
+        b.step()
+    b.close()
+    assert pool._docs[doc].parked is None
+    monkeypatch.undo()
+    _park(pool, doc)
