@@ -8,17 +8,23 @@ a model quoting a sentence writes " the" where the file has "\nthe"):
 * freeform   questions answered in the model's own words (a poem, advice, an opinion): little to
              copy; adaptive draft length must back off to plain decoding.
 
-Per (workload, agents, method): one untimed warm-up of each side, then the plain run and the
-speculative run alternately (`repeats` times each), greedy, the same prompts and max_new_tokens.
-tok_s = new tokens / wall seconds of `pool.generate` (median over repeats), for both sides;
-`identical` = every answer's token ids equal between the two sides (greedy is lossless).
+Per (workload, agents, method): one untimed warm-up of each side with the same prompts, then the
+plain run and the speculative run alternately (`repeats` times each), greedy, the same prompts and
+max_new_tokens. tok_s = new tokens / wall seconds of `pool.generate` (median over repeats), for both
+sides; `identical` = every answer's token ids equal between the two sides (greedy is lossless).
+One pool for the whole bench, as a server holds one: its batches reuse the storage and the CUDA
+graphs captured by earlier calls over the document (`SharedKVPool.max_parked_batches`), and the
+speculative side's width planner starts from the step times measured so far (`StepTimes`). The
+warm-up pays the captures of the batch size (graph_captures_warmup, _warmup_baseline); graph_captures in
+the row counts those of the timed runs (a width first chosen there).
 
 Rows (DESIGN §6): {workload, method, agents, tokens_per_step, acceptance, tok_s, tok_s_baseline,
 speedup, identical, steps, steps_baseline, drafted, accepted, new_tokens, seconds, seconds_baseline}.
 tokens_per_step: tokens emitted per agent per verify forward; steps: batch forwards of the loop.
 Diagnostics beside them: step_ms / step_ms_baseline (median ms of a step by its widest draft count,
 0 = plain; from `pool.last_generate["step_ms"]`) and graph_captures / graph_captures_baseline (CUDA
-graphs the batch captured: each costs warm-up forwards and a capture, per bucket and width).
+graphs the timed runs captured: each costs warm-up forwards and a capture, per bucket and width),
+widths: {width: steps} the speculative side's planner chose (0 = plain; `Speculator.propose_all`).
 The document's outputs tree (`suffix_tree`) is emptied before every run.
 `identical` in default numerics compares two different forward shapes (docs/speculative.md: plain
 decoding itself changes answers with the batch size); `row_invariant=True` runs both sides with
@@ -127,14 +133,17 @@ def _bench(model, tok, text, agents, workloads, methods, num_draft_tokens, max_n
             prompts = [qs[i % len(qs)] for i in range(n)]
             for method in methods:
                 spec = {"method": method, "num_draft_tokens": num_draft_tokens, "adaptive": adaptive}
-                timed(prompts[:1], None)  # warm-up of both paths
-                timed(prompts[:1], spec)
-                base_s, spec_s = [], []
+                # warm-up of both paths at this batch size: Triton compiles and the graph captures
+                # of its buckets and widths (kept by the pool for the later calls)
+                warm = [timed(prompts, None)[1]["graph_captures"], timed(prompts, spec)[1]["graph_captures"]]
+                base_s, spec_s, caps = [], [], [0, 0]
                 for _ in range(repeats):
                     s, base = timed(prompts, None)
                     base_s.append(s)
+                    caps[0] += base["graph_captures"]
                     s, sp = timed(prompts, spec)
                     spec_s.append(s)
+                    caps[1] += sp["graph_captures"]
                 new = sum(base["new_tokens"])
                 same = base["answer_ids"] == sp["answer_ids"]
                 if not same:
@@ -150,8 +159,9 @@ def _bench(model, tok, text, agents, workloads, methods, num_draft_tokens, max_n
                            # where a verify step's time goes (the last timed run of each side): step
                            # ms by draft width (0 = plain decode) and the batch's graph captures
                            step_ms=sp["step_ms"]["by_width"], step_ms_baseline=base["step_ms"]["by_width"],
-                           graph_captures=sp["graph_captures"],
-                           graph_captures_baseline=base["graph_captures"])
+                           graph_captures=caps[1], graph_captures_baseline=caps[0],
+                           graph_captures_warmup=warm[1], graph_captures_warmup_baseline=warm[0],
+                           widths=st.get("widths", {}))
                 row["speedup"] = row["tok_s"] / row["tok_s_baseline"] if row["tok_s_baseline"] else 0.0
                 rows.append(row)
                 log(f"{wl:9s} {method:13s} agents {n:3d}: {row['tok_s']:.1f} vs {row['tok_s_baseline']:.1f} tok/s "
