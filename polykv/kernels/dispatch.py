@@ -157,31 +157,57 @@ def attention_decode(q: torch.Tensor, k: Packed, v: Packed, k_codec, v_codec, *,
     return out.reshape(B, Hq, n_q, D), lse.reshape(B, Hq, n_q)
 
 
-def cascade_attention(q: torch.Tensor, prefix_k: Packed, prefix_v: Packed, suffix_k: Packed,
-                      suffix_v: Packed, suffix_lens: torch.Tensor, k_codec, v_codec, *,
-                      sm_scale: float | None = None, k_innerq: torch.Tensor | None = None,
-                      suffix_pages: torch.Tensor | None = None, page_size: int = 0, **tune):
+#: Prefix chunks that start at multiples of this many rows give `cascade_attention` the values of
+#: the whole prefix, bit for bit (the kernels' prefix splits are powers of two up to it).
+PREFIX_CHUNK_ALIGN = 16384
+
+
+def cascade_attention(q: torch.Tensor, prefix_k: Packed | None, prefix_v: Packed | None,
+                      suffix_k: Packed, suffix_v: Packed, suffix_lens: torch.Tensor, k_codec,
+                      v_codec, *, sm_scale: float | None = None,
+                      k_innerq: torch.Tensor | None = None,
+                      suffix_pages: torch.Tensor | None = None, page_size: int = 0,
+                      prefix_chunks=None, prefix_rows: int = 0, **tune):
     """q [N, Hq, n_q, D]: every agent sees the whole shared prefix (Packed leading [1, Hkv, P]) and
     its own suffix (Packed leading [N, Hkv, S_cap], suffix_lens [N], causal; 0 is legal).
     suffix_pages int32 [N, max_pages] with page_size: the suffix Packed is a page pool (leading
     [1, Hkv, rows]) and agent n's row j lives at suffix_pages[n, j // page_size] * page_size +
-    j % page_size. Returns out [N, Hq, n_q, D] (q.dtype), lse float32 [N, Hq, n_q]."""
-    if not use_triton(q, prefix_k.codes, suffix_k.codes):
+    j % page_size. prefix_chunks, prefix_rows: the prefix as an iterable of consecutive chunks
+    (k, v, row0) of prefix_rows rows in all instead (prefix_k / prefix_v None; the host tier's
+    streamed prefix, consumed chunk by chunk; each row0 a multiple of PREFIX_CHUNK_ALIGN): the
+    kernels compute the very splits of the joined prefix (`cascade_prepared`), the reference joins
+    the chunks — the values of one call over the joined prefix, bit for bit, on either path.
+    Returns out [N, Hq, n_q, D]
+    (q.dtype), lse float32 [N, Hq, n_q]."""
+    if not use_triton(q, suffix_k.codes, *(() if prefix_k is None else (prefix_k.codes,))):
         if suffix_pages is not None:
             suffix_k, suffix_v = (gather_pages(p, suffix_pages, page_size) for p in (suffix_k, suffix_v))
+        if prefix_chunks is not None:
+            parts = list(prefix_chunks)
+            prefix_k, prefix_v = (join_rows([c[i] for c in parts]) for i in (0, 1))
         return ref.cascade_attention_ref(q, prefix_k, prefix_v, suffix_k, suffix_v, suffix_lens,
                                          k_codec, v_codec, sm_scale=sm_scale, k_innerq=k_innerq)
     cas = _k()[1]
     N, Hq, n_q, D = q.shape
     kc, vc = as_codec(k_codec, D), as_codec(v_codec, D)
-    hkv = prefix_k.codes.shape[1]
+    hkv = suffix_k.codes.shape[1]
     sm_scale = 1.0 / math.sqrt(D) if sm_scale is None else float(sm_scale)
     qp = _prep_q(q, kc, k_innerq, hkv)
+    tune.setdefault("prefix_max_split", PREFIX_CHUNK_ALIGN)
     out, lse = cas.cascade_prepared(qp, n_q, prefix_k, prefix_v, suffix_k, suffix_v,
                                     suffix_lens.to(device=q.device), kc, vc, sm_scale=sm_scale,
-                                    suffix_pages=suffix_pages, page_size=page_size, **tune)
+                                    suffix_pages=suffix_pages, page_size=page_size,
+                                    prefix_chunks=prefix_chunks, prefix_rows=prefix_rows, **tune)
     out = _finish(out.reshape(N, Hq, n_q, D), vc).to(q.dtype)
     return out, lse.reshape(N, Hq, n_q)
+
+
+def join_rows(parts: list[Packed]) -> Packed:
+    """Packed leading [B, Hkv, R_i] parts -> one Packed of their rows in order (a copy)."""
+    if len(parts) == 1:
+        return parts[0]
+    scales = None if parts[0].scales is None else torch.cat([p.scales for p in parts], dim=2)
+    return Packed(torch.cat([p.codes for p in parts], dim=2), scales)
 
 
 def gather_pages(pool: Packed, table: torch.Tensor, page_size: int) -> Packed:

@@ -78,26 +78,35 @@ def _prefix_lens(P: int, device) -> torch.Tensor:
     return t
 
 
-def cascade_prepared(qp: torch.Tensor, n_q: int, prefix_k: Packed, prefix_v: Packed,
+def cascade_prepared(qp: torch.Tensor, n_q: int, prefix_k: Packed | None, prefix_v: Packed | None,
                      suffix_k: Packed, suffix_v: Packed, suffix_lens: torch.Tensor, k_codec,
                      v_codec, *, sm_scale: float, prefix_block_m: int = 64,
                      suffix_pages: torch.Tensor | None = None, page_size: int = 0,
+                     prefix_chunks=None, prefix_rows: int = 0, prefix_max_split: int = 16384,
                      prefix_tune: dict | None = None, **kw):
     """qp float32 [N, Hkv, M, D] in K's storage domain. suffix_pages int32 [N, max_pages]: the
-    suffixes are a page pool (see decode_prepared). Returns (out, lse) float32
-    [N, Hkv, M, D] (V storage domain) / [N, Hkv, M]. kw tunes both passes, prefix_tune (over
-    kw) the prefix pass alone."""
+    suffixes are a page pool (see decode_prepared). prefix_chunks, prefix_rows: the prefix as an
+    iterable of chunks (k, v, row0) of prefix_rows rows in all (prefix_k / prefix_v None), consumed
+    one launch at a time (decode_prepared's chunks), each row0 a multiple of the prefix pass's
+    split length: the values of the joined prefix, bit for bit. The prefix pass's splits are
+    powers of two of at most prefix_max_split rows, whole or chunked, so chunks that start at
+    multiples of prefix_max_split always qualify. Returns (out, lse) float32 [N, Hkv, M, D] (V storage domain) /
+    [N, Hkv, M]. kw tunes both passes, prefix_tune (over kw) the prefix pass alone."""
     N, Hkv, M, D = qp.shape
-    P = prefix_k.codes.shape[2]
+    if prefix_chunks is None:
+        prefix_chunks, prefix_rows = [(prefix_k, prefix_v, 0)], prefix_k.codes.shape[2]
+    chunks = ((k, v, _prefix_lens(k.codes.shape[2], qp.device), int(row0))
+              for k, v, row0 in prefix_chunks)
     # all agents' rows of a KV head side by side: [1, Hkv, N*M, D]
     qc = qp.permute(1, 0, 2, 3).reshape(1, Hkv, N * M, D).contiguous()
-    plen = _prefix_lens(P, qp.device)
     # H200, 64k prefix (kernels_notes v9/v10): 3 pipeline stages; 168 registers = 3 tile-kernel
     # programs per SM (the vector factor loads of v10 alone build at 213 = 2 per SM)
     tile = {"num_stages": 3, "maxnreg": 168} if N * M > PHASE_MAX_ROWS else {"num_stages": 3}
-    out_p, lse_p = decode_prepared(qc, n_q, prefix_k, prefix_v, k_codec, v_codec, plen,
-                                   causal=False, window=None, sm_scale=sm_scale,
-                                   **{"block_m_max": prefix_block_m,
+    # power-of-two splits (<= prefix_max_split): the same splits whether whole or in chunks
+    out_p, lse_p = decode_prepared(qc, n_q, None, None, k_codec, v_codec, None,
+                                   causal=False, window=None, sm_scale=sm_scale, chunks=chunks,
+                                   total_rows=prefix_rows,
+                                   **{"block_m_max": prefix_block_m, "max_split": prefix_max_split,
                                       **(tile if D <= 128 and qp.is_cuda else {}), **kw,
                                       **(prefix_tune or {})})
     out_p = out_p.reshape(Hkv, N, M, D).permute(1, 0, 2, 3)

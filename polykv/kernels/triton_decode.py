@@ -128,14 +128,14 @@ def _query_rows(pid_bh, pid_m, BLOCK_M: tl.constexpr, M_TOTAL, N_Q, kv_len):
 
 
 @triton.jit
-def _store_split_lse(m_i, l_i, L_PART, q_rows, rmask, N_SPLITS, pid_s):
+def _store_split_lse(m_i, l_i, L_PART, q_rows, rmask, N_SPLITS, split):
     """End of a split: store its log-sum-exp (natural log; -inf for rows that saw no key) and
     return (1 / l per row, 0 where empty; the rows' partial-output row index)."""
     has = l_i > 0
     inv = tl.where(has, 1.0 / tl.where(has, l_i, 1.0), 0.0)
     lse = tl.where(has, (m_i + tl.log2(tl.where(has, l_i, 1.0))) * 0.6931471805599453,
                    float("-inf"))
-    prow = q_rows * N_SPLITS + pid_s
+    prow = q_rows * N_SPLITS + split
     tl.store(L_PART + prow, lse, mask=rmask)
     return inv, prow
 
@@ -145,7 +145,7 @@ def _decode_kernel(
         Q, KC, KS, VC, VS, KCENT, VCENT, KV_LENS, KV_START, PT, O_PART, L_PART,
         skb, skh, sks, sksb, sksh, skss,
         svb, svh, svs, svsb, svsh, svss,
-        HKV, M_TOTAL, N_Q, SPLIT_LEN, N_SPLITS, qk_scale, WINDOW, PT_STRIDE,
+        HKV, M_TOTAL, N_Q, SPLIT_LEN, N_SPLITS, SPLIT0, qk_scale, WINDOW, PT_STRIDE,
         D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, PAGE: tl.constexpr,
         K_KIND: tl.constexpr, K_BITS: tl.constexpr, K_G: tl.constexpr, K_GW: tl.constexpr,
         K_NPH: tl.constexpr, K_DEC: tl.constexpr,
@@ -250,7 +250,7 @@ def _decode_kernel(
                        V_KIND, V_BITS, V_G, V_GW, V_NPH, V_DEC,
                        VA0, VA1, VA2, VA3, VA4, VA5, VA6, VA7, V_PAIRS)
 
-    inv, prow = _store_split_lse(m_i, l_i, L_PART, q_rows, rmask, N_SPLITS, pid_s)
+    inv, prow = _store_split_lse(m_i, l_i, L_PART, q_rows, rmask, N_SPLITS, SPLIT0 + pid_s)
     o_off = prow * D
     _store_o(O_PART, o_off, rmask, acc0 * inv[:, None], 0, V_GW, V_NPH)
     if NGV > 1:
@@ -319,6 +319,19 @@ def _scale_layout(p: Packed, ss: tuple) -> tuple[bool, int]:
     return pairs, srow
 
 
+_INT_PLACEHOLDERS: dict = {}
+
+
+def _int_placeholder(device) -> torch.Tensor:
+    """An int32 [1] tensor for the page-table pointer of unpaged launches (never read), one per
+    device: no allocation or fill per launch (captured steps)."""
+    key = str(torch.device(device))
+    t = _INT_PLACEHOLDERS.get(key)
+    if t is None:
+        t = _INT_PLACEHOLDERS[key] = torch.zeros(1, dtype=torch.int32, device=device)
+    return t
+
+
 def _block_n(d: int) -> int:
     return {64: 64, 128: 64, 256: 32, 512: 32}.get(d, 32)
 
@@ -354,7 +367,8 @@ def decode_prepared(qp: torch.Tensor, n_q: int, k: Packed, v: Packed, k_codec, v
                     dec: str = "auto", impl: str = "auto", maxnreg: int | None = None,
                     page_table: torch.Tensor | None = None, page_size: int = 0,
                     kv_start: torch.Tensor | None = None, out_dtype: torch.dtype | None = None,
-                    vector_factors: bool = True):
+                    vector_factors: bool = True, split_len: int | None = None,
+                    max_split: int = 0, chunks=None, total_rows: int = 0):
     """qp: [B, Hkv, M, D] contiguous (any float dtype), already in K's storage domain (rotated / InnerQ-
     divided), rows r = head_in_group * n_q + j. k, v: Packed leading [B or 1, Hkv, S_cap].
     dec: "asm" (PTX byte-permute lookup, CUDA only), "select" (plain Triton), "auto" (asm where it
@@ -362,7 +376,15 @@ def decode_prepared(qp: torch.Tensor, n_q: int, k: Packed, v: Packed, k_codec, v
     (phase where both codecs allow it: phase_ok). maxnreg: a register cap per thread (tuning).
     vector_factors: the tile kernel reads the per-row factors (turbo norms as int32 pairs, q8_0 /
     q4_0 block scales as one vector per row) with loads Triton pipelines, where the layout allows
-    (_scale_layout); False: plain per-element loads (A/B timing). page_table int32 [B, max_pages] (with
+    (_scale_layout); False: plain per-element loads (A/B timing). split_len: keys per split
+    (a multiple of the key tile; default `plan_split_len`, powers of two <= max_split if given).
+    chunks, total_rows: the keys as an iterable of chunks (k, v, kv_lens, row0) of total_rows rows
+    instead (k, v and kv_lens None; B == 1, no page table), consumed lazily — one launch per chunk
+    as it arrives (the host tier's streamed prefix: the next chunk's buffer is refilled once this
+    one's launch is queued). Chunk c holds rows [row0, row0 + its rows), kv_lens int32 [1] its row
+    count; every row0 must be a multiple of the split length, so each split lies in one chunk: the
+    splits are planned over all rows and merged in one combine — the values of one call over the
+    joined rows, bit for bit. page_table int32 [B, max_pages] (with
     page_size): k, v are a page pool (leading [1, Hkv, rows]) and row n of sequence b lives at
     page_table[b, n // page_size] * page_size + n % page_size. kv_start int32 [B]: rows before it
     are left padding, never keys. Returns out float32 [B, Hkv, M, D] in V's storage domain, lse
@@ -375,9 +397,13 @@ def decode_prepared(qp: torch.Tensor, n_q: int, k: Packed, v: Packed, k_codec, v
     phase = impl == "phase"
     km, vm = ((phase_meta(k_codec), phase_meta(v_codec)) if phase
               else (codec_meta(k_codec), codec_meta(v_codec)))
-    S = k.codes.shape[2] if page_table is None else page_table.shape[1] * page_size
-    kc, ks, kcs, kss = _strides(k, k.codes.shape[0] == 1 and B > 1)
-    vc, vs, vcs, vss = _strides(v, v.codes.shape[0] == 1 and B > 1)
+    if chunks is None:
+        chunks = [(k, v, kv_lens, 0)]
+        S = k.codes.shape[2] if page_table is None else page_table.shape[1] * page_size
+    elif B != 1 or page_table is not None or total_rows <= 0:
+        raise ValueError("chunked keys need one sequence (B == 1), no page table and total_rows")
+    else:
+        S = int(total_rows)
     kcent = k_codec.tables(dev)[0] if km["KIND"] == 3 else placeholder(dev)
     vcent = v_codec.tables(dev)[0] if vm["KIND"] == 3 else placeholder(dev)
     # the phase kernel puts the rows on the mma's N (8 is its smallest tile); the tile kernel on M
@@ -406,17 +432,17 @@ def decode_prepared(qp: torch.Tensor, n_q: int, k: Packed, v: Packed, k_codec, v
         page_table = page_table.to(device=dev, dtype=torch.int32)
         pt_stride = page_table.stride(0)
     else:
-        page_table, pt_stride = kv_lens, 0
+        page_table, pt_stride = _int_placeholder(dev), 0  # never read
     # one-warp programs: 8 per SM, one full wave (H200 v5 sweep at 64k: 68 us at 8 per SM, 99-108
     # us at 10-13 per SM, 91 us at 4 per SM)
     target = target_programs or num_programs_target(dev) * (2 if phase and num_warps == 1 else 1)
-    max_splits = max(1, triton.cdiv(S, BLOCK_N))
-    n_splits = max(1, min(max_splits, triton.cdiv(target, B * Hkv * n_mt)))
-    split_len = triton.cdiv(triton.cdiv(S, n_splits), BLOCK_N) * BLOCK_N
+    if split_len is None:
+        split_len = plan_split_len(S, B * Hkv * n_mt, target, BLOCK_N, max_split)
+    elif split_len % BLOCK_N:
+        raise ValueError(f"split_len {split_len} is not a multiple of the key tile ({BLOCK_N})")
     n_splits = max(1, triton.cdiv(S, split_len))
     o_part = torch.empty(B * Hkv * M * n_splits * D, dtype=torch.float32, device=dev)
     l_part = torch.empty(B * Hkv * M * n_splits, dtype=torch.float32, device=dev)
-    grid = (B * Hkv, n_splits, n_mt)
     key = (km["KIND"], km["BITS"], vm["KIND"], vm["BITS"], impl)
     use_asm = (dec != "select" and dev.type == "cuda" and not _interpreting()
                and key not in _ASM_BROKEN)
@@ -431,12 +457,12 @@ def decode_prepared(qp: torch.Tensor, n_q: int, k: Packed, v: Packed, k_codec, v
     ka = asm_strings(k_codec) if k_dec else ("",) * 8
     va = asm_strings(v_codec) if v_dec else ("",) * 8
 
-    def codec_args(pre, m, d):
+    def codec_args(pre, m, d, packed, ss):
         if phase:
             return {f"{pre}_KIND": m["KIND"], f"{pre}_BITS": m["BITS"], f"{pre}_G": m["G"],
                     f"{pre}_NG": D // m["GW"], f"{pre}_NPH": m["NPH"], f"{pre}_NSB": m["NSB"],
                     f"{pre}_PW": m["PW"], f"{pre}_DEC": d}
-        pairs, srow = _scale_layout(k if pre == "K" else v, kss if pre == "K" else vss)
+        pairs, srow = _scale_layout(packed, ss)
         return {f"{pre}_KIND": m["KIND"], f"{pre}_BITS": m["BITS"], f"{pre}_G": m["G"],
                 f"{pre}_GW": m["GW"], f"{pre}_NPH": m["NPH"], f"{pre}_DEC": d,
                 f"{pre}_PAIRS": pairs and m["KIND"] == 3 and vector_factors,
@@ -444,37 +470,73 @@ def decode_prepared(qp: torch.Tensor, n_q: int, k: Packed, v: Packed, k_codec, v
 
     kernel = _phase_decode_kernel if phase else _decode_kernel
 
-    def launch(kd, vd, ka, va):
-        kernel[grid](
-            qp, kc, ks, vc, vs, kcent, vcent, kv_lens,
-            kv_lens if kv_start is None else kv_start.to(device=dev, dtype=torch.int32),
+    def launch(part, kd, vd, ka, va):
+        kp, vp, lens, row0 = part
+        if row0 % split_len:
+            raise ValueError(f"a chunk starts at row {row0}, inside a split of {split_len} keys: "
+                             "chunk rows must be a multiple of the split length")
+        kc, ks, kcs, kss = _strides(kp, kp.codes.shape[0] == 1 and B > 1)
+        vc, vs, vcs, vss = _strides(vp, vp.codes.shape[0] == 1 and B > 1)
+        rows = S if paged else kp.codes.shape[2]
+        kernel[(B * Hkv, max(1, triton.cdiv(rows, split_len)), n_mt)](
+            qp, kc, ks, vc, vs, kcent, vcent, lens,
+            lens if kv_start is None else kv_start.to(device=dev, dtype=torch.int32),
             page_table, o_part, l_part,
             *kcs, *kss, *vcs, *vss,
-            Hkv, M, n_q, split_len, n_splits, sm_scale * LOG2E, int(window or 0), pt_stride,
+            Hkv, M, n_q, split_len, n_splits, row0 // split_len, sm_scale * LOG2E,
+            int(window or 0), pt_stride,
             D=D, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, PAGE=int(page_size) if paged else 0,
-            **codec_args("K", km, kd), **codec_args("V", vm, vd),
+            **codec_args("K", km, kd, kp, kss), **codec_args("V", vm, vd, vp, vss),
             CAUSAL=bool(causal), HAS_WINDOW=window is not None, HAS_START=kv_start is not None,
             KA0=ka[0], KA1=ka[1], KA2=ka[2], KA3=ka[3], KA4=ka[4], KA5=ka[5], KA6=ka[6],
             KA7=ka[7], VA0=va[0], VA1=va[1], VA2=va[2], VA3=va[3], VA4=va[4], VA5=va[5],
             VA6=va[6], VA7=va[7], num_warps=num_warps, num_stages=num_stages, **extra)
 
-    if (k_dec or v_dec) and dec == "auto":
-        try:
-            launch(k_dec, v_dec, ka, va)
-        except Exception:  # an asm build problem on this toolchain: plain Triton from now on
-            if torch.cuda.is_current_stream_capturing():
+    for i, part in enumerate(chunks):
+        if i == 0 and (k_dec or v_dec) and dec == "auto":
+            try:
+                launch(part, k_dec, v_dec, ka, va)
+            except ValueError:
                 raise
-            _ASM_BROKEN.add(key)
-            launch(0, 0, ("",) * 8, ("",) * 8)
-    else:
-        launch(k_dec, v_dec, ka, va)
+            except Exception:  # an asm build problem on this toolchain: plain Triton from now on
+                if torch.cuda.is_current_stream_capturing():
+                    raise
+                _ASM_BROKEN.add(key)
+                k_dec, v_dec, ka, va = 0, 0, ("",) * 8, ("",) * 8
+                launch(part, k_dec, v_dec, ka, va)
+        else:
+            launch(part, k_dec, v_dec, ka, va)
+    return combine_splits(o_part, l_part, n_splits, (B, Hkv, M, D), v_codec, out_dtype)
+
+
+def plan_split_len(S: int, groups: int, target: int, block_n: int, max_split: int = 0) -> int:
+    """Keys per split: enough splits of S keys that groups x splits programs reach `target`, a
+    multiple of block_n. max_split (a power of two >= block_n): a power of two instead, rounded
+    up (fewer splits, at most 2x) and at most max_split, so that the splits tile any chunking of
+    the keys at multiples of max_split rows (the host tier's prefix chunks: the streamed cascade
+    computes the very splits of the resident one)."""
+    n_splits = max(1, min(triton.cdiv(S, block_n), triton.cdiv(target, groups)))
+    split_len = triton.cdiv(triton.cdiv(S, n_splits), block_n) * block_n
+    if max_split:
+        split_len = max(block_n, min(max_split, triton.next_power_of_2(split_len)))
+    return split_len
+
+
+def combine_splits(o_part: torch.Tensor, l_part: torch.Tensor, n_splits: int, shape: tuple,
+                   v_codec, out_dtype: torch.dtype | None = None):
+    """Stage 2: merge the n_splits partial results of each row ([rows * n_splits * D] / [rows *
+    n_splits] float32, the kernels' layout) by log-sum-exp into out [*shape] (float32, V storage
+    domain; with out_dtype: true space, that dtype) and lse float32 [*shape[:-1]]."""
+    dev = o_part.device
+    D = shape[-1]
+    rows = math.prod(shape[:-1])
     unrot = out_dtype is not None and getattr(v_codec, "rotated", False)
-    out = torch.empty(B, Hkv, M, D, dtype=out_dtype or torch.float32, device=dev)
-    lse = torch.empty(B, Hkv, M, dtype=torch.float32, device=dev)
+    out = torch.empty(shape, dtype=out_dtype or torch.float32, device=dev)
+    lse = torch.empty(shape[:-1], dtype=torch.float32, device=dev)
     rot = rotation_matrix(v_codec.group, dev) if unrot else placeholder(dev)
-    _combine_kernel[(B * Hkv * M,)](o_part, l_part, out, lse, rot, n_splits, D=D,
-                                    NS_P2=triton.next_power_of_2(n_splits),
-                                    G=v_codec.group if unrot else D, UNROT=unrot)
+    _combine_kernel[(rows,)](o_part, l_part, out, lse, rot, n_splits, D=D,
+                             NS_P2=triton.next_power_of_2(n_splits),
+                             G=v_codec.group if unrot else D, UNROT=unrot)
     return out, lse
 
 
@@ -493,7 +555,7 @@ def _phase_decode_kernel(
         Q, KC, KS, VC, VS, KCENT, VCENT, KV_LENS, KV_START, PT, O_PART, L_PART,
         skb, skh, sks, sksb, sksh, skss,
         svb, svh, svs, svsb, svsh, svss,
-        HKV, M_TOTAL, N_Q, SPLIT_LEN, N_SPLITS, qk_scale, WINDOW, PT_STRIDE,
+        HKV, M_TOTAL, N_Q, SPLIT_LEN, N_SPLITS, SPLIT0, qk_scale, WINDOW, PT_STRIDE,
         D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, PAGE: tl.constexpr,
         K_KIND: tl.constexpr, K_BITS: tl.constexpr, K_G: tl.constexpr, K_NG: tl.constexpr,
         K_NPH: tl.constexpr, K_NSB: tl.constexpr, K_PW: tl.constexpr, K_DEC: tl.constexpr,
@@ -603,7 +665,7 @@ def _phase_decode_kernel(
                             V_DEC, VA0, VA1, VA2, VA3, VA4, VA5, VA6, VA7, TRANS=True)
             accs = accs[:i] + (tl.dot(vt, pb, accs[i] * alpha[None, :]),) + accs[i + 1:]
 
-    inv, prow = _store_split_lse(m_i, l_i, L_PART, q_rows, rmask, N_SPLITS, pid_s)
+    inv, prow = _store_split_lse(m_i, l_i, L_PART, q_rows, rmask, N_SPLITS, SPLIT0 + pid_s)
     vw = tl.arange(0, V_PW)
     for fp in tl.static_range(V_NP):
         tl.store(O_PART + (prow * D)[None, :] + (fp * V_PW + vw)[:, None],

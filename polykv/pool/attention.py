@@ -35,7 +35,7 @@ def _dispatch_module():
 def cascade_attention(q, prefix_k, prefix_v, suffix_k, suffix_v, suffix_lens, k_codec, v_codec, *,
                       sm_scale=None, k_innerq=None, window=None, prefix_start=0, prefix_end=None,
                       backend: str = "auto", suffix_pages=None, page_size: int = 0,
-                      suffix_rows: int | None = None):
+                      suffix_rows: int | None = None, prefix_chunks=None, prefix_rows: int = 0):
     """Cascade attention (reference.py's Conventions, Cascade) of q [N, Hq, n_q, D].
 
     Full-attention layers go to `dispatch.cascade_attention` when it would run a Triton kernel (CUDA
@@ -44,15 +44,26 @@ def cascade_attention(q, prefix_k, prefix_v, suffix_k, suffix_v, suffix_lens, k_
 
     suffix_pages int32 [N, max_pages] / page_size: suffix_k / suffix_v are page pools (leading
     [1, Hkv, rows]); the kernels read them through the table, the reference gets the first
-    `suffix_rows` rows of each agent gathered densely (default: every page)."""
+    `suffix_rows` rows of each agent gathered densely (default: every page).
+
+    prefix_chunks, prefix_rows (full-attention layers; prefix_k / prefix_v None): the prefix as an
+    iterable of chunks (k, v, row0) of prefix_rows rows, consumed one at a time: the kernels
+    compute the splits of the joined prefix chunk by chunk, the reference joins the chunks — the
+    values of the joined prefix, bit for bit (`dispatch.cascade_attention`)."""
     mod = _dispatch_module() if window is None and backend in ("auto", "dispatch") else None
     if backend == "dispatch" and mod is None:
         raise RuntimeError("polykv.kernels.dispatch.cascade_attention is not available here")
-    if mod is not None and (backend == "dispatch" or mod.use_triton(q, prefix_k.codes)):
+    if mod is not None and (backend == "dispatch" or mod.use_triton(q, suffix_k.codes)):
         return mod.cascade_attention(q, prefix_k, prefix_v, suffix_k, suffix_v,
                                      suffix_lens.to(device=q.device, dtype=torch.int32), k_codec,
                                      v_codec, sm_scale=sm_scale, k_innerq=k_innerq,
-                                     suffix_pages=suffix_pages, page_size=page_size)
+                                     suffix_pages=suffix_pages, page_size=page_size,
+                                     prefix_chunks=prefix_chunks, prefix_rows=prefix_rows)
+    if prefix_chunks is not None:
+        from ..kernels.dispatch import join_rows
+
+        parts = list(prefix_chunks)
+        prefix_k, prefix_v = (join_rows([c[i] for c in parts]) for i in (0, 1))
     if suffix_pages is not None:
         from ..kernels.dispatch import gather_pages
 
@@ -225,9 +236,13 @@ class PrefixStreamer:
         """The device buffers (GPU memory this streamer holds; empty on CPU)."""
         return list(self.buffers)
 
-    def chunks(self, layer):
-        """Yield (k Packed, v Packed leading [1, Hkv, rows], row0) for every chunk of `layer`, in
-        row order, readable on the device. A yielded view is valid until the next one is asked for."""
+    def chunks(self, layer) -> "ChunkWalk":
+        """The chunks of `layer` in row order (`ChunkWalk`: iterate once for (k Packed, v Packed
+        leading [1, Hkv, rows], row0), readable on the device; a yielded view is valid until the
+        next one is asked for)."""
+        return ChunkWalk(self._walk(layer), [c.row0 for c in layer.chunks])
+
+    def _walk(self, layer):
         if self.device.type != "cuda":
             for c in layer.chunks:
                 self.chunks_read += 1
@@ -277,6 +292,28 @@ class PrefixStreamer:
             free[j].record(main)  # the cascade over chunk i is queued on `main`
 
 
+def _one_call(q, suffix_k, chunks, backend: str) -> bool:
+    """Whether a full-attention layer's chunks go to one `cascade_attention` call: always on the
+    reference path; on the kernels when every chunk starts at a multiple of PREFIX_CHUNK_ALIGN."""
+    mod = _dispatch_module() if backend in ("auto", "dispatch") else None
+    if mod is None or not (backend == "dispatch" or mod.use_triton(q, suffix_k.codes)):
+        return True
+    starts = getattr(chunks, "row_starts", None)
+    return starts is not None and all(r % mod.PREFIX_CHUNK_ALIGN == 0 for r in starts)
+
+
+class ChunkWalk:
+    """One pass over a host-tier layer's chunks (an iterator of (k, v, row0)) that also tells, before
+    it starts, where every chunk begins (`row_starts`): whether the kernels can take the chunks as
+    one prefix (`streamed_cascade_attention`)."""
+
+    def __init__(self, it, row_starts: list[int]):
+        self._it, self.row_starts = it, row_starts
+
+    def __iter__(self):
+        return self._it
+
+
 def streamed_cascade_attention(q, chunks, suffix_k, suffix_v, suffix_lens, k_codec, v_codec, *,
                                prefix_end: int, sm_scale=None, k_innerq=None, window=None,
                                prefix_start=0, backend: str = "auto", suffix_pages=None,
@@ -286,15 +323,26 @@ def streamed_cascade_attention(q, chunks, suffix_k, suffix_v, suffix_lens, k_cod
     q [N, Hq, n_q, D]; chunks: iterable of (k, v, row0), Packed leading [1, Hkv, rows] holding prefix
     rows [row0, row0 + rows) (`PrefixStreamer.chunks`); prefix_start: absolute position of prefix row
     0, prefix_end: absolute position of suffix row 0 (the document length; required: a chunk is not
-    the whole prefix). The suffix arguments are `cascade_attention`'s. Each chunk is one cascade call
-    (all agents at once); the first carries the agents' suffixes, later ones none: full-attention
-    layers pass suffix lengths 0 (every prefix row is visible to every query, whatever its position),
-    sliding-window layers (always the reference path) keep the real lengths, which place the
-    queries, and give it no suffix rows (suffix_rows=0, or a 0-row dense suffix). The partial
-    results are merged by LSE in float32 (`dispatch.merge_attention`), cast to q.dtype once.
-    Sliding-window layers: chunk row i sits at prefix_start + row0 + i, so the window rule is the
-    unchunked one. Returns out [N, Hq, n_q, D] (q.dtype), lse float32 [N, Hq, n_q]: the unchunked
-    cascade's values up to float rounding."""
+    the whole prefix). The suffix arguments are `cascade_attention`'s.
+
+    Full-attention layers: one `cascade_attention` over the chunks (`prefix_chunks`) — on the
+    reference path (the reference joins them), or on the kernels when every chunk starts at a
+    multiple of `dispatch.PREFIX_CHUNK_ALIGN` rows (`ChunkWalk.row_starts`; the pool's default
+    chunks do): the kernels run the resident prefix pass's own splits chunk by chunk as the chunks
+    arrive — the resident document's values, bit for bit. Otherwise (sliding-window layers, other
+    chunkings) each chunk is one cascade call; the first carries the agents' suffixes, later ones
+    none: full-attention layers pass suffix lengths 0 (every prefix row is visible to every query),
+    sliding-window layers keep the real lengths, which place the queries, and get no suffix rows
+    (suffix_rows=0, or a 0-row dense suffix); the partial results are merged by LSE in float32
+    (`dispatch.merge_attention`), cast to q.dtype once — the unchunked values up to float
+    rounding. Chunk row i sits at prefix_start + row0 + i, so the window rule is the unchunked
+    one. Returns out [N, Hq, n_q, D] (q.dtype), lse float32 [N, Hq, n_q]."""
+    if window is None and _one_call(q, suffix_k, chunks, backend):
+        return cascade_attention(q, None, None, suffix_k, suffix_v, suffix_lens, k_codec, v_codec,
+                                 sm_scale=sm_scale, k_innerq=k_innerq, backend=backend,
+                                 suffix_pages=suffix_pages, page_size=page_size,
+                                 suffix_rows=suffix_rows, prefix_chunks=chunks,
+                                 prefix_rows=prefix_end - prefix_start)
     merge = _merge_fn()
     out = lse = None
     rest = None  # (suffix_k, suffix_v, lens) of the chunks after the first

@@ -99,6 +99,45 @@ def test_cascade_matches_reference(kn, vn, D, group, lens):
     assert rel(out, o2) <= 1e-2 and lse_ok(lse, l2)
 
 
+@pytest.mark.parametrize("kn,vn,D,agents,P,chunk", [
+    ("q8_0", "turbo3", 128, 3, 1000, 512),   # 3 chunks, the last one short
+    ("turbo4", "turbo3", 64, 9, 700, 256),   # rows per KV head > 16: the tile kernel
+    ("f16", "q4_0", 128, 1, 300, 512),       # one chunk
+])
+def test_cascade_over_prefix_chunks_is_bit_identical(kn, vn, D, agents, P, chunk):
+    """The host tier's streamed prefix: the same prefix given as chunks of `chunk` rows gives the
+    values of the whole prefix exactly, not up to rounding (splits capped at the chunk rows, as
+    PREFIX_CHUNK_ALIGN caps them for the pool's 16k chunks; more splits than the interpreter's
+    program target would plan)."""
+    torch.manual_seed(P)
+    Hkv, group, S = 2, 4, 6
+    kc, vc = get_codec(kn, D), get_codec(vn, D)
+    pk, pv = kc.encode(torch.randn(1, Hkv, P, D)), vc.encode(torch.randn(1, Hkv, P, D))
+    sk, sv = kc.encode(torch.randn(agents, Hkv, S, D)), vc.encode(torch.randn(agents, Hkv, S, D))
+    sl = torch.randint(0, S + 1, (agents,), dtype=torch.int32)
+    q = torch.randn(agents, Hkv * group, 1, D, dtype=torch.float16)
+    cut = (slice(None), slice(None))
+    chunks = [(pk.index(cut + (slice(r, r + chunk),)), pv.index(cut + (slice(r, r + chunk),)), r)
+              for r in range(0, P, chunk)]
+    out, lse = cascade_attention(q, pk, pv, sk, sv, sl, kc, vc, prefix_max_split=chunk // 4)
+    got, got_lse = cascade_attention(q, None, None, sk, sv, sl, kc, vc, prefix_max_split=chunk // 4,
+                                     prefix_chunks=iter(chunks), prefix_rows=P)
+    assert torch.equal(got, out) and torch.equal(got_lse, lse)
+
+
+def test_cascade_chunk_inside_a_split_is_refused():
+    kc, vc = get_codec("q8_0", 128), get_codec("turbo3", 128)
+    pk, pv = kc.encode(torch.randn(1, 2, 1000, 128)), vc.encode(torch.randn(1, 2, 1000, 128))
+    sk, sv = kc.encode(torch.randn(1, 2, 4, 128)), vc.encode(torch.randn(1, 2, 4, 128))
+    cut = (slice(None), slice(None))
+    chunks = [(pk.index(cut + (slice(r, r + 100),)), pv.index(cut + (slice(r, r + 100),)), r)
+              for r in range(0, 1000, 100)]
+    q = torch.randn(1, 8, 1, 128, dtype=torch.float16)
+    with pytest.raises(ValueError, match="inside a split"):
+        cascade_attention(q, None, None, sk, sv, torch.tensor([4], dtype=torch.int32), kc, vc,
+                          prefix_chunks=chunks, prefix_rows=1000, prefix_max_split=128)
+
+
 @pytest.mark.parametrize("kn,vn,D,page", [("q8_0", "turbo3", 128, 32), ("turbo4", "f16", 64, 64)])
 def test_cascade_paged_suffix_matches_dense(kn, vn, D, page):
     """Suffixes read through a page table (shuffled pages, agents of different lengths, one agent
