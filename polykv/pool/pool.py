@@ -121,7 +121,10 @@ class SharedKVPool:
     host_budget_bytes: bound on host-tier document bytes (None or 0: no host tier; documents over
         the GPU budget are evicted, as before tiers existed).
     stream_chunk_rows: prefix rows per host chunk (one contiguous host buffer per chunk and layer,
-        one host-to-device copy each when a batch streams the document).
+        one host-to-device copy each when a batch streams the document). A multiple of
+        `kernels.dispatch.PREFIX_CHUNK_ALIGN` (16,384, the default) makes a streamed document's
+        logits those of the GPU-resident one bit for bit (full-attention layers; other sizes
+        merge per chunk, equal up to float rounding).
     innerq: an `InnerQTable`, a path to one, or "auto" (the model's calibrated table, if any); used
         only when K is a turbo type.
     prefill_chunk: tokens per prefill forward. Default (None): 4096 where the flash split path of
@@ -143,7 +146,7 @@ class SharedKVPool:
                  budget_bytes: int | None = None, innerq=None, prefill_chunk: int | None = None,
                  progress: bool | None = None, preset: str | None = None,
                  gpu_budget_bytes: int | None = None, host_budget_bytes: int | None = None,
-                 stream_chunk_rows: int = 4096, overrides: dict[int, tuple[str, str]] | None = None,
+                 stream_chunk_rows: int = 16384, overrides: dict[int, tuple[str, str]] | None = None,
                  precision="auto"):
         from ..hf.attention import use_polykv_attention
         from ..hf.layout import kv_layout
@@ -544,6 +547,10 @@ class SharedKVPool:
         if capacity is not None and p.cache.batch_capacity < capacity:
             return None
         d.parked = None
+        if self.gpu_budget_bytes is not None and self._gpu_tier_bytes() + p.nbytes() > self.gpu_budget_bytes:
+            # over the budget with it parked (a budget set or lowered since): a fresh batch holds
+            # only what its agents need, as if the parked one had been dropped under pressure
+            return None
         return p
 
     def _release(self, batch, parked=None) -> None:
