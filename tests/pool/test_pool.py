@@ -345,3 +345,22 @@ def test_a_failed_forward_is_not_parked(tiny, monkeypatch):
     assert pool._docs[doc].parked is None
     monkeypatch.undo()
     _park(pool, doc)
+
+
+def test_a_parked_batch_over_a_new_budget_is_not_reused(tiny):
+    """A budget set (or lowered) after a batch was parked: the next batch starts fresh (holding only
+    what its agents need) instead of taking over storage that no longer fits — the engine admits
+    requests by gpu_tier_bytes (tests/engine/test_faults.py::test_admission_counts_agent_storage)."""
+    model, tok = tiny
+    pool = SharedKVPool(model, tok, prefill_chunk=32)
+    doc = pool.add_document(DOC)
+    big = _park(pool, doc, capacity=8)
+    rep = pool.memory_report()
+    pool.gpu_budget_bytes = rep["kv_bytes_gpu"] + rep["kv_bytes_parked"] // 4
+    with pool.open_batch(doc, capacity=1) as b:
+        assert b.cache is not big and pool._docs[doc].parked is None
+        assert pool.memory_report()["gpu_tier_bytes"] <= pool.gpu_budget_bytes
+    pool.gpu_budget_bytes = None
+    big = _park(pool, doc, capacity=8)
+    with pool.open_batch(doc, capacity=1) as b:  # without the budget: reused
+        assert b.cache is big
