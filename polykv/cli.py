@@ -130,8 +130,14 @@ def calibrate(
                                          "KVCache(preset='balanced'/'max') finds it."),
     scored_tokens: int = typer.Option(256, "--scored-tokens", help="--bits: tokens scored per (layer, type)"),
     prefix_tokens: int = typer.Option(1024, "--prefix-tokens", help="--bits: tokens whose K/V get compressed"),
+    copy_weight: float = typer.Option(0.0, "--copy-weight", help="--bits: weight in [0, 1] of a copying "
+                                      "signal (KL on teacher-forced random codes in needle prompts, make_codes "
+                                      "seed 1) against the novel-text KL; default 0 = novel text only "
+                                      "(docs/quality.md: measured, did not improve the code-needle gate)"),
+    copy_prompts: int = typer.Option(8, "--copy-prompts", help="--bits: needle prompts of the "
+                                     "copying signal (one per code kind in turn)"),
     json_out: bool = typer.Option(False, "--json"),
-):
+):  # --copy-weight / --copy-prompts defaults = hf.precision.COPY_WEIGHT / COPY_PROMPTS (no torch import here)
     """Calibrate InnerQ key scales from real keys of a model and save the table; with --bits, also the
     per-layer precision policy (polykv.hf.precision)."""
     from pathlib import Path
@@ -140,7 +146,8 @@ def calibrate(
 
     from .hf.capture import calibrate_innerq
     from .hf.loading import load_model
-    from .hf.precision import calibration_ids, measure_sensitivity, policy_summary, precision_path
+    from .hf.precision import (calibration_ids, copy_examples, measure_sensitivity, policy_summary,
+                               precision_path)
 
     m, tok = load_model(model)
     # The novel's last 2048 tokens: perplexity windows are cut from its start (4 x 2048 by default),
@@ -152,8 +159,12 @@ def calibrate(
               "layers_scaled": sorted(table.scales), "tokens": len(ids),
               "text": "last 2048 tokens of the bundled novel"}
     if bits is not None:
+        if not 0.0 <= copy_weight <= 1.0:
+            raise typer.BadParameter(f"must be in [0, 1], got {copy_weight}", param_hint="--copy-weight")
+        copy = copy_examples(tok, copy_prompts) if copy_weight > 0 else None
         prec = measure_sensitivity(m, tok, ids[-(prefix_tokens + scored_tokens):], innerq=table,
-                                   prefix=prefix_tokens, progress=not json_out)
+                                   prefix=prefix_tokens, progress=not json_out, copy_weight=copy_weight,
+                                   copy=copy)
         try:
             policy = prec.add_policy(bits)
         except ValueError as e:
@@ -162,7 +173,8 @@ def calibrate(
                   else precision_path(m))
         prec.save(target)
         result.update({"precision_path": str(target), "precision_tokens": prec.meta["tokens"],
-                       "precision_metric": prec.meta["metric"], **policy_summary(policy)})
+                       "precision_metric": prec.meta["metric"], "copy_weight": copy_weight,
+                       "copy_prompts": len(copy) if copy else 0, **policy_summary(policy)})
     if json_out:
         emit(result)
     else:

@@ -18,6 +18,25 @@ alone is flat across layers (docs/quality.md, "What hurts"); what differs is how
 output depends on it, which only an end-to-end measurement sees. Cost: one scored forward per
 (layer, type) — SmolLM2 (30 layers, 6 types, 256 scored tokens): 180 forwards, ~4 min on 1 CPU thread.
 
+Signals. The measurement above on novel text ("novel") does not see copy fidelity: the calibrated
+presets kept perplexity but lost random codes that f16 copied (docs/quality.md). With
+`copy_weight` > 0 (`polykv calibrate --copy-weight W`) the same per-layer, per-type measurement also
+runs on needle-style prompts (`copy_examples`: `make_codes.make(COPY_SEED)`, COPY_SEED = 1, never the
+evaluated seed 0; 1024 tokens of technical prose with one random code, the chat question and answer
+prefix as the stored prefix; the exact code and "." teacher-forced as the scored part): "copy" = mean
+KL over those answer positions. The table's errors combine the two:
+
+    err[l][t] = total_novel * sum_s w_s * err_s[l][t] / total_s,   w = {novel: 1 - cw, copy: cw}
+
+with total_s = err_s of the all-cheapest allocation (sum over layers, K and V): each signal counts by
+its weight whatever its scale (copy KL is ~10x the novel KL), and the result stays in the novel
+signal's nats (cw = 0 gives the novel-only table exactly). Both signals are saved (meta "signals",
+"weights"); `PrecisionTable.reweigh(cw)` recombines them without measuring again. Cost: 8 prompts x
+~13 answer tokens per (layer, type), 6-9 min more for SmolLM2 on 1 CPU thread. Measured (docs/quality.md,
+"A copying signal in the calibration"): with weights 0.5-1 the tables copy better teacher-forced on
+held-out code prompts, but the greedy code-needle gate did not improve (balanced the same 14/16, max
+worse), so the default weight is 0 (COPY_WEIGHT): novel text only, the tables as before.
+
 Allocation (`PrecisionTable.allocate`). Errors are taken as additive over layers and over K/V.
 Start with every layer at the cheapest candidate of K and of V; repeatedly apply the upgrade (one
 layer's K or V to any costlier candidate) with the largest error reduction per extra bit of the
@@ -33,7 +52,8 @@ i.e. it is the bits/value `KVCache.memory_report()` measures on a ctx-token wind
 File (JSON, `precision_path(model)` = the InnerQ table's path with suffix ".precision.json"):
 {format "polykv-precision", version 1, model (innerq_key), metric, tokens, prefix, text, innerq,
  ctx, k_types, v_types, layers: [{layer, weight, bits: {type: bits}, k_error: {type: err},
- v_error: {type: err}}], policies: {"<bits>": {bits_target, bits_achieved, predicted_error,
+ v_error: {type: err}}] (the combined errors), signals: {novel|copy: {k_error: [...], v_error: [...]}}
+ and weights: {novel, copy} (only with the copying signal), policies: {"<bits>": {bits_target, bits_achieved, predicted_error,
  types: [[k, v], ...]}}} — `policies` holds the allocations that `polykv calibrate --bits` asked for.
 """
 
@@ -52,6 +72,10 @@ K_TYPES = ("turbo3", "turbo4", "q8_0")  # candidates for K (turbo with InnerQ wh
 V_TYPES = ("turbo2", "turbo3", "turbo4")
 PREFIX_TOKENS = 1024
 SCORED_TOKENS = 256
+COPY_WEIGHT = 0.0    # share of the copying signal (cli calibrate --copy-weight); 0: measured, did not pay
+COPY_PROMPTS = 8     # copying signal: needle-style prompts (one per code kind)
+COPY_SEED = 1        # make_codes seed of those prompts; the evaluated set is seed 0 (make_codes.SEED)
+COPY_CTX = 1024
 CTX = 2048
 _EPS = 1e-9
 
@@ -159,6 +183,17 @@ class PrecisionTable:
         types = tuple((k, v) for k, v in cur)
         err = sum(self.k_error[i][k] + self.v_error[i][v] for i, (k, v) in enumerate(types))
         return Policy(bits, self.average_bits(types), err, types)
+
+    def reweigh(self, copy_weight: float) -> "PrecisionTable":
+        """The same measurement with another weight of the copying signal (policies dropped); needs a
+        table measured with both signals (meta["signals"])."""
+        sig = self.meta.get("signals")
+        if not sig or "copy" not in sig:
+            raise ValueError("this table has no copying signal (calibrate with --copy-weight > 0)")
+        weights = {"novel": 1.0 - copy_weight, "copy": float(copy_weight)}
+        k, v = combine_errors(self.bits, sig, weights, self.k_types, self.v_types)
+        return PrecisionTable(bits=self.bits, weight=self.weight, k_error=k, v_error=v, k_types=self.k_types,
+                              v_types=self.v_types, meta={**self.meta, "weights": weights})
 
     def add_policy(self, bits: float) -> Policy:
         p = self.allocate(bits)
@@ -270,66 +305,159 @@ def _roundtrip(keys: torch.Tensor, values: torch.Tensor, k: str, v: str, scales)
     return kd.to(keys.dtype), vd.to(values.dtype)
 
 
+def copy_examples(tok, n: int = COPY_PROMPTS, seed: int = COPY_SEED, ctx: int = COPY_CTX
+                  ) -> list[tuple[list[int], int]]:
+    """Needle-style copy prompts for the copying signal: [(ids, prefix)] where ids[:prefix] is a chat
+    prompt from `make_codes.make(seed)` (a random code in technical prose, question, answer prefix)
+    and ids[prefix:] the exact code followed by ".", teacher-forced. seed must not be the bundled
+    set's (make_codes.SEED, what `eval ruler --task codes` scores); only technical-prose fillers (the
+    generator's novel fillers may overlap the perplexity windows); one prompt per code kind in turn."""
+    from ..data.make_codes import KINDS, SEED, make
+    from ..eval.common import format_prompt
+
+    if seed == SEED:
+        raise ValueError(f"copy calibration seed {seed} is the evaluated code set's (make_codes.SEED)")
+    if n < 1:
+        raise ValueError(f"copy prompts must be >= 1, got {n}")
+    rows = [r for r in make(seed, ctxs=(ctx,), per_ctx=3 * n + 3 * len(KINDS)) if r["genre"] == "tech"]
+    picked: list[dict] = []
+    while len(picked) < n:  # round robin over kinds, so a handful of prompts covers every kind
+        for kind in KINDS:
+            r = next((r for r in rows if r["kind"] == kind and r not in picked), None)
+            if r is not None and len(picked) < n:
+                picked.append(r)
+    out = []
+    for r in picked:
+        prompt = format_prompt(tok, r["context"], r["question"], r["prefix"])
+        answer = tok(" " + r["needle"] + ".", add_special_tokens=False)["input_ids"]
+        out.append((prompt + answer, len(prompt)))
+    return out
+
+
+def _layer_errors(model, examples, layout, innerq, k_types, v_types, progress: bool, desc: str
+                  ) -> tuple[list[dict], list[dict], int]:
+    """Per layer and candidate type, the mean over scored positions (pooled over examples) of
+    KL(p_exact || p_test) when only that layer's prefix K (resp. V) is stored as the type.
+    examples: [(ids, prefix)]: ids[:prefix] is the stored prefix, ids[prefix:] the scored part
+    (run as one chunk; its own rows exact, as KVCache attends to a chunk). Returns (k_err, v_err,
+    scored positions)."""
+    from transformers import DynamicCache
+
+    from ..eval.common import progress as bar
+
+    dev = next(model.parameters()).device
+    runs = []  # (cache, scored input, prefix, ref log-probs, ref probs)
+    for ids, prefix in examples:
+        if not 1 <= prefix < len(ids):
+            raise ValueError(f"prefix {prefix} out of range for {len(ids)} tokens")
+        x = torch.tensor(ids, device=dev)[None]
+        cache = DynamicCache()  # every layer keeps every row, exact
+        model(input_ids=x[:, :prefix], past_key_values=cache, use_cache=True, logits_to_keep=1)
+        if len(cache.layers) != len(layout):
+            raise ValueError(f"captured {len(cache.layers)} cache layers, the layout has {len(layout)}")
+        runs.append([cache, x[:, prefix:], prefix, None, None])
+
+    def scored(run) -> torch.Tensor:
+        cache, tail, prefix = run[0], run[1], run[2]
+        out = model(input_ids=tail, past_key_values=cache, use_cache=True)
+        cache.crop(-tail.shape[1])  # negative: a sliding layer (Gemma) refuses an absolute length
+        return torch.log_softmax(out.logits[0].float(), -1)
+
+    for run in runs:
+        run[3] = scored(run)
+        run[4] = run[3].exp()
+    positions = sum(run[1].shape[1] for run in runs)
+    k_err: list[dict] = [{} for _ in layout]
+    v_err: list[dict] = [{} for _ in layout]
+    jobs = [(i, side, t) for i in range(len(layout)) for side, types in (("k", k_types), ("v", v_types))
+            for t in types]
+    for i, side, t in bar(jobs, desc=desc, enabled=progress):
+        scales = innerq.layer(i) if innerq is not None else None
+        total = 0.0
+        for run in runs:
+            layer = run[0].layers[i]
+            keys, values = layer.keys, layer.values
+            if side == "k":
+                layer.keys, _ = _roundtrip(keys, values, t, "f16", scales)
+            else:
+                _, layer.values = _roundtrip(keys, values, "f16", t, None)
+            try:
+                total += float((run[4] * (run[3] - scored(run))).sum())
+            finally:
+                layer.keys, layer.values = keys, values
+        (k_err if side == "k" else v_err)[i][t] = max(total / positions, 0.0)
+    return k_err, v_err, positions
+
+
+def _cheapest_total(bits, k_err, v_err, k_types, v_types) -> float:
+    """Total error of the all-cheapest allocation under one signal (its scale, for combining)."""
+    return sum(k_err[i][min(k_types, key=lambda t: bits[i][t])] + v_err[i][min(v_types, key=lambda t: bits[i][t])]
+               for i in range(len(k_err)))
+
+
+def combine_errors(bits, signals: dict, weights: dict, k_types, v_types) -> tuple[list[dict], list[dict]]:
+    """The allocation's per-layer error from several measured signals (module docstring, "Signals"):
+    sum over signals s of weights[s] * err_s / total_s, total_s = err_s of the all-cheapest allocation
+    (so each signal counts by its weight whatever its units), times total_novel (to stay in nats
+    comparable with a novel-only table). signals: {name: {"k_error": [...], "v_error": [...]}}."""
+    names = [s for s in signals if weights.get(s, 0.0) > 0]
+    if not names:
+        raise ValueError(f"no signal with a positive weight (signals {sorted(signals)}, weights {weights})")
+    totals = {s: _cheapest_total(bits, signals[s]["k_error"], signals[s]["v_error"], k_types, v_types)
+              for s in names}
+    unit = totals.get("novel") or 1.0
+    wsum = sum(weights[s] for s in names)
+    out = []
+    for side, types in (("k_error", k_types), ("v_error", v_types)):
+        rows = []
+        for i in range(len(bits)):
+            rows.append({t: unit * sum(weights[s] / wsum * signals[s][side][i][t] / max(totals[s], _EPS)
+                                       for s in names) for t in types})
+        out.append(rows)
+    return out[0], out[1]
+
+
 @torch.inference_mode()
 def measure_sensitivity(model, tok, ids: list[int] | None = None, innerq=None, k_types=K_TYPES,
                         v_types=V_TYPES, prefix: int = PREFIX_TOKENS, ctx: int = CTX,
-                        progress: bool = False) -> PrecisionTable:
+                        progress: bool = False, copy_weight: float = 0.0,
+                        copy: list[tuple[list[int], int]] | None = None) -> PrecisionTable:
     """Per layer and candidate type, the mean KL of the next-token distribution when only that
     layer's K (resp. V) prefix is stored as that type (module docstring). ids: calibration tokens
-    (default: `calibration_ids(tok, PREFIX_TOKENS + SCORED_TOKENS)`); innerq: InnerQTable for turbo K."""
-    from transformers import DynamicCache
-
+    (default: `calibration_ids(tok, PREFIX_TOKENS + SCORED_TOKENS)`); innerq: InnerQTable for turbo K.
+    copy_weight > 0 also measures the copying signal on `copy` (default `copy_examples(tok)`) and
+    the table's errors combine both (`combine_errors`, weights novel 1 - copy_weight, copy copy_weight);
+    both signals are kept in meta["signals"] (`PrecisionTable.reweigh` recombines them)."""
     from .fingerprint import innerq_key
     from .kv_cache import model_layout
 
+    if not 0.0 <= copy_weight <= 1.0:
+        raise ValueError(f"copy_weight must be in [0, 1], got {copy_weight}")
     if ids is None:
         ids = calibration_ids(tok, prefix + SCORED_TOKENS)
     if not 1 <= prefix < len(ids) - 1:
         raise ValueError(f"prefix {prefix} out of range for {len(ids)} calibration tokens")
     layout = model_layout(model)
-    dev = next(model.parameters()).device
-    x = torch.tensor(ids, device=dev)[None]
-    cache = DynamicCache()  # every layer keeps every row, exact
-    model(input_ids=x[:, :prefix], past_key_values=cache, use_cache=True, logits_to_keep=1)
-    if len(cache.layers) != len(layout):
-        raise ValueError(f"captured {len(cache.layers)} cache layers, the layout has {len(layout)}")
-
-    def scored_logprobs() -> torch.Tensor:
-        out = model(input_ids=x[:, prefix:], past_key_values=cache, use_cache=True)
-        cache.crop(-(len(ids) - prefix))
-        return torch.log_softmax(out.logits[0].float(), -1)
-
-    ref = scored_logprobs()
-    p_ref = ref.exp()
-
-    def kl(test: torch.Tensor) -> float:
-        return float((p_ref * (ref - test)).sum(-1).mean())
-
-    from ..eval.common import progress as bar
-
-    k_err: list[dict] = [{} for _ in layout]
-    v_err: list[dict] = [{} for _ in layout]
-    jobs = [(i, side, t) for i in range(len(layout)) for side, types in (("k", k_types), ("v", v_types))
-            for t in types]
-    for i, side, t in bar(jobs, desc="precision: layer x type", enabled=progress):
-        layer = cache.layers[i]
-        keys, values = layer.keys, layer.values
-        scales = innerq.layer(i) if innerq is not None else None
-        if side == "k":
-            layer.keys, _ = _roundtrip(keys, values, t, "f16", scales)
-        else:
-            _, layer.values = _roundtrip(keys, values, "f16", t, None)
-        try:
-            err = kl(scored_logprobs())
-        finally:
-            layer.keys, layer.values = keys, values
-        (k_err if side == "k" else v_err)[i][t] = max(err, 0.0)
+    bits = layer_bits(layout, set(k_types) | set(v_types))
+    k_err, v_err, _ = _layer_errors(model, [(ids, prefix)], layout, innerq, k_types, v_types, progress,
+                                    "precision: layer x type")
     meta = {"model": innerq_key(model), "metric": "mean KL(p_f32 || p_test), nats/token",
             "tokens": len(ids), "prefix": prefix, "text": "end of the bundled novel (calibration_ids)",
             "innerq": innerq is not None and bool(getattr(innerq, "scales", None)), "ctx": ctx}
-    return PrecisionTable(bits=layer_bits(layout, set(k_types) | set(v_types)), weight=layer_weights(layout, ctx),
-                          k_error=k_err, v_error=v_err, k_types=tuple(k_types), v_types=tuple(v_types),
-                          meta=meta)
+    if copy_weight > 0:
+        if copy is None:
+            copy = copy_examples(tok)
+        ck, cv, pos = _layer_errors(model, copy, layout, innerq, k_types, v_types, progress,
+                                    "precision: copy, layer x type")
+        signals = {"novel": {"k_error": k_err, "v_error": v_err},
+                   "copy": {"k_error": ck, "v_error": cv, "prompts": len(copy), "scored": pos,
+                            "text": f"make_codes.make(seed={COPY_SEED}), {COPY_CTX} tokens, technical "
+                                    "prose; the code + '.' teacher-forced"}}
+        meta["signals"] = signals
+        meta["weights"] = {"novel": 1.0 - copy_weight, "copy": copy_weight}
+        k_err, v_err = combine_errors(bits, signals, meta["weights"], k_types, v_types)
+    return PrecisionTable(bits=bits, weight=layer_weights(layout, ctx), k_error=k_err, v_error=v_err,
+                          k_types=tuple(k_types), v_types=tuple(v_types), meta=meta)
 
 
 def load_precision(model, path=None) -> PrecisionTable | None:
@@ -401,6 +529,6 @@ def policy_summary(policy: Policy) -> dict:
             "type_counts": counts}
 
 
-__all__ = ["CTX", "K_TYPES", "PREFIX_TOKENS", "SCORED_TOKENS", "V_TYPES", "Policy", "PrecisionTable",
-           "calibration_ids", "layer_bits", "layer_weights", "load_precision", "measure_sensitivity",
+__all__ = ["COPY_PROMPTS", "COPY_WEIGHT", "COPY_SEED", "CTX", "K_TYPES", "PREFIX_TOKENS", "SCORED_TOKENS", "V_TYPES", "Policy", "PrecisionTable",
+           "calibration_ids", "combine_errors", "copy_examples", "layer_bits", "layer_weights", "load_precision", "measure_sensitivity",
            "policy_summary", "precision_path", "preset_policy", "preset_precision"]

@@ -66,3 +66,42 @@ def test_calibrate_bits_then_preset(tiny_dir, cache_dir):
     res = CliRunner().invoke(app, ["calibrate", "--model", tiny_dir, "--bits", "1.0", "--scored-tokens", "8",
                                    "--prefix-tokens", "16", "--json"])
     assert res.exit_code != 0 and "below the cheapest" in res.output
+
+
+def test_calibrate_copy_signal_flags(tiny_dir, cache_dir):
+    """--copy-weight / --copy-prompts reach the table: both signals and their weights are saved, the
+    table's errors are their combination; --copy-weight 0 measures novel text only; out of range refused."""
+    from polykv.cli import app
+    from polykv.hf.precision import PrecisionTable, combine_errors
+
+    r = run_json(["calibrate", "--model", tiny_dir, "--bits", "3.6", "--scored-tokens", "32",
+                  "--prefix-tokens", "128", "--copy-prompts", "2", "--copy-weight", "0.75"])
+    assert r["copy_weight"] == 0.75 and r["copy_prompts"] == 2
+    t = PrecisionTable.load(r["precision_path"])
+    sig = t.meta["signals"]
+    assert sig["copy"]["prompts"] == 2 and sig["copy"]["scored"] > 2 * 3  # ' code.' is several tokens
+    assert t.meta["weights"] == {"novel": 0.25, "copy": 0.75}
+    assert (t.k_error, t.v_error) == combine_errors(t.bits, sig, t.meta["weights"], t.k_types, t.v_types)
+    assert t.policies["3.6"].types == t.reweigh(0.75).allocate(3.6).types
+
+    r0 = run_json(["calibrate", "--model", tiny_dir, "--bits", "3.6", "--scored-tokens", "32",
+                   "--prefix-tokens", "128", "--copy-weight", "0"])
+    t0 = PrecisionTable.load(r0["precision_path"])
+    assert r0["copy_prompts"] == 0 and "signals" not in t0.meta
+    assert t0.k_error == sig["novel"]["k_error"] and t0.v_error == sig["novel"]["v_error"]
+    res = CliRunner().invoke(app, ["calibrate", "--model", tiny_dir, "--bits", "3.6", "--copy-weight", "2",
+                                   "--scored-tokens", "8", "--prefix-tokens", "16", "--json"])
+    assert res.exit_code != 0 and "--copy-weight" in res.output
+
+
+def test_cli_copy_defaults_match_the_library():
+    """calibrate's --copy-weight / --copy-prompts defaults are hf.precision's constants (cli.py keeps
+    literals so that `polykv --help` needs no torch)."""
+    import inspect
+
+    from polykv.cli import calibrate
+    from polykv.hf.precision import COPY_PROMPTS, COPY_WEIGHT
+
+    params = inspect.signature(calibrate).parameters
+    assert params["copy_weight"].default.default == COPY_WEIGHT
+    assert params["copy_prompts"].default.default == COPY_PROMPTS

@@ -209,3 +209,115 @@ def test_average_bits_is_the_stored_bits_per_value():
             nbytes += get_codec(t, lay.head_dim).empty((1, lay.num_kv_heads, rows)).nbytes()
             values += lay.num_kv_heads * rows * lay.head_dim
     assert abs(table.average_bits(types) - nbytes * 8 / values) < 1e-12
+
+
+# --- the copying signal (issue K: calibrated presets lost random codes that f16 copied) -------------
+
+def _tok():
+    from transformers import AutoTokenizer
+
+    from polykv.hf.loading import REGISTRY, _ensure_registry_cache
+
+    return AutoTokenizer.from_pretrained(_ensure_registry_cache(REGISTRY["smollm2-135m"]))
+
+
+def test_copy_examples_are_not_the_evaluated_codes():
+    """Needle prompts from another make_codes seed than the evaluated set, technical prose only, every
+    code kind, the teacher-forced tail = the exact code and '.'."""
+    from polykv.data.make_codes import KINDS, SEED, make
+    from polykv.hf.precision import COPY_SEED, copy_examples
+
+    tok = _tok()
+    ex = copy_examples(tok, len(KINDS) + 2)
+    evaluated = {r["needle"] for r in make(SEED)}
+    ours = [r for r in make(COPY_SEED, ctxs=(1024,), per_ctx=3 * (len(KINDS) + 2) + 3 * len(KINDS))
+            if r["genre"] == "tech"]
+    tails = [tok.decode(ids[p:]) for ids, p in ex]
+    assert len(ex) == len(KINDS) + 2
+    for (ids, p), tail in zip(ex, tails):
+        code = tail.strip().removesuffix(".")
+        assert tail == " " + code + "." and code not in evaluated
+        r = next(r for r in ours if r["needle"] == code)
+        assert r["genre"] == "tech" and r["needle"] in tok.decode(ids[:p])  # the code is in the prompt
+        assert tok.decode(ids[:p]).rstrip().endswith(r["prefix"])
+    kinds = [next(r["kind"] for r in ours if r["needle"] == t.strip()[:-1]) for t in tails]
+    assert set(kinds[:len(KINDS)]) == set(KINDS)
+    with pytest.raises(ValueError, match="evaluated code set"):
+        copy_examples(tok, 2, seed=SEED)
+
+
+def test_combine_errors_weights_and_units():
+    """Each signal is scaled by its all-cheapest total (its units do not matter), weights mix them,
+    the result stays in the novel signal's units: weight 0 = the novel errors exactly."""
+    from polykv.hf.precision import combine_errors
+
+    t = _synthetic(5)
+    novel = {"k_error": t.k_error, "v_error": t.v_error}
+    copy = _synthetic(5, seed=3)
+    copy_sig = {"k_error": copy.k_error, "v_error": copy.v_error}
+    scaled = {"k_error": [{k: 1e3 * e for k, e in d.items()} for d in copy.k_error],
+              "v_error": [{k: 1e3 * e for k, e in d.items()} for d in copy.v_error]}
+    args = (t.bits, K_TYPES, V_TYPES)
+    k0, v0 = combine_errors(t.bits, {"novel": novel, "copy": copy_sig}, {"novel": 1.0, "copy": 0.0}, K_TYPES, V_TYPES)
+    assert all(abs(k0[i][x] - t.k_error[i][x]) <= 1e-12 * t.k_error[i][x] for i in range(5) for x in K_TYPES)
+    a = combine_errors(t.bits, {"novel": novel, "copy": copy_sig}, {"novel": 0.5, "copy": 0.5}, *args[1:])
+    b = combine_errors(t.bits, {"novel": novel, "copy": scaled}, {"novel": 0.5, "copy": 0.5}, *args[1:])
+    assert all(abs(a[0][i][x] - b[0][i][x]) <= 1e-9 * a[0][i][x] for i in range(5) for x in K_TYPES)
+    total = lambda k, v: sum(k[i]["turbo3"] + v[i]["turbo2"] for i in range(5))  # noqa: E731
+    # half and half: the all-cheapest allocation's combined error = the novel total
+    assert abs(total(*a) - total(t.k_error, t.v_error)) < 1e-9 * total(t.k_error, t.v_error)
+    with pytest.raises(ValueError, match="positive weight"):
+        combine_errors(t.bits, {"novel": novel}, {"novel": 0.0}, *args[1:])
+
+
+def test_copy_signal_moves_the_allocation():
+    """A layer that only the copying signal flags gets its K bought once the copy signal has weight."""
+    from polykv.hf.precision import combine_errors
+
+    t = _synthetic(6)
+    copy_k = [{"turbo3": 1e-3, "turbo4": 5e-4, "q8_0": 0.0} for _ in range(6)]
+    copy_k[2] = {"turbo3": 50.0, "turbo4": 30.0, "q8_0": 0.0}
+    copy_v = [{"turbo2": 1e-3, "turbo3": 5e-4, "turbo4": 1e-4} for _ in range(6)]
+    t.meta["signals"] = {"novel": {"k_error": t.k_error, "v_error": t.v_error},
+                         "copy": {"k_error": copy_k, "v_error": copy_v}}
+    budget = t.min_bits() + 1.0  # q8_0 K on layer 2 (3 of 12 heads) costs 0.66
+    assert t.reweigh(0.0).allocate(budget) == t.allocate(budget)  # weight 0: the novel-only table
+    assert t.allocate(budget).types[2][0] != "q8_0"
+    assert t.reweigh(0.5).allocate(budget).types[2][0] == "q8_0"
+    k, v = combine_errors(t.bits, t.meta["signals"], {"novel": 0.5, "copy": 0.5}, K_TYPES, V_TYPES)
+    assert t.reweigh(0.5).k_error == k and t.reweigh(0.5).v_error == v
+    with pytest.raises(ValueError, match="no copying signal"):
+        _synthetic(3).reweigh(0.5)
+
+
+def test_measure_copy_signal_tiny_model(tmp_path):
+    """Real measurement with the copying signal on a random model: both signals kept per layer and
+    type, the table's errors are their combination, the scored positions are the copied tails', and
+    the table round-trips (reweigh works on the loaded table)."""
+    from polykv.hf.precision import combine_errors
+
+    model = _model(layers=3)
+    ids = torch.randint(3, 120, (160,)).tolist()
+    g = torch.Generator().manual_seed(1)
+    copy = []
+    for n, tail in ((90, 7), (70, 12)):
+        x = torch.randint(3, 120, (n,), generator=g).tolist()
+        copy.append((x + x[20:20 + tail], n))  # the tail repeats a span of the prompt: a copy
+    table = measure_sensitivity(model, None, ids=ids, prefix=128, copy_weight=0.25, copy=copy)
+    sig = table.meta["signals"]
+    assert sig["copy"]["scored"] == 19 and sig["copy"]["prompts"] == 2
+    assert table.meta["weights"] == {"novel": 0.75, "copy": 0.25}
+    for s in ("novel", "copy"):
+        for side, types in (("k_error", K_TYPES), ("v_error", V_TYPES)):
+            assert all(set(e) == set(types) and all(x >= 0 for x in e.values()) for e in sig[s][side])
+    assert sig["copy"]["k_error"] != sig["novel"]["k_error"]
+    assert sum(e["turbo4"] for e in sig["copy"]["v_error"]) < sum(e["turbo2"] for e in sig["copy"]["v_error"])
+    k, v = combine_errors(table.bits, sig, table.meta["weights"], K_TYPES, V_TYPES)
+    assert (table.k_error, table.v_error) == (k, v)
+    plain = measure_sensitivity(model, None, ids=ids, prefix=128)  # same novel signal without the copy
+    assert plain.k_error == sig["novel"]["k_error"] and "signals" not in plain.meta
+    back = PrecisionTable.load(table.save(tmp_path / "t.precision.json"))
+    assert back.to_json() == table.to_json()
+    assert back.reweigh(0.0).allocate(3.6) == plain.allocate(3.6)
+    with pytest.raises(ValueError, match="copy_weight"):
+        measure_sensitivity(model, None, ids=ids, prefix=128, copy_weight=1.5, copy=copy)
