@@ -29,10 +29,11 @@ KL over those answer positions. The table's errors combine the two:
     err[l][t] = total_novel * sum_s w_s * err_s[l][t] / total_s,   w = {novel: 1 - cw, copy: cw}
 
 with total_s = err_s of the all-cheapest allocation (sum over layers, K and V): each signal counts by
-its weight whatever its scale (copy KL is ~10x the novel KL), and the result stays in the novel
-signal's nats (cw = 0 gives the novel-only table exactly). Both signals are saved (meta "signals",
-"weights"); `PrecisionTable.reweigh(cw)` recombines them without measuring again. Cost: 8 prompts x
-~13 answer tokens per (layer, type), 6-9 min more for SmolLM2 on 1 CPU thread. Measured (docs/quality.md,
+its weight whatever its scale (SmolLM2: the copy total is 2x the novel one, two thirds of it in the K
+of layers 18, 23, 20, 19), and the result stays in the novel signal's nats (cw = 0 gives the
+novel-only table exactly). Both signals are saved (meta "signals", "weights");
+`PrecisionTable.reweigh(cw)` recombines them without measuring again. Cost: 8 prompts x ~13 answer
+tokens per (layer, type), 6-9 min more for SmolLM2 on 1 CPU thread. Measured (docs/quality.md,
 "A copying signal in the calibration"): with weights 0.5-1 the tables copy better teacher-forced on
 held-out code prompts, but the greedy code-needle gate did not improve (balanced the same 14/16, max
 worse), so the default weight is 0 (COPY_WEIGHT): novel text only, the tables as before.
