@@ -15,8 +15,10 @@ sides; `identical` = every answer's token ids equal between the two sides (greed
 One pool for the whole bench, as a server holds one: its batches reuse the storage and the CUDA
 graphs captured by earlier calls over the document (`SharedKVPool.max_parked_batches`), and the
 speculative side's width planner starts from the step times measured so far (`StepTimes`). The
-warm-up pays the captures of the batch size (graph_captures_warmup, _warmup_baseline); graph_captures in
-the row counts those of the timed runs (a width first chosen there).
+warm-up pays the captures of the batch size (graph_captures_warmup, _warmup_baseline): the
+speculative warm-up's first decode step captures every verify width 1..num_draft_tokens+1 of its
+bucket (`AgentBatch.expect_drafts`), so graph_captures of the timed runs should be 0 (a width first
+chosen mid-run captured there before: 1.4 s in one H200 row).
 
 Rows (DESIGN §6): {workload, method, agents, tokens_per_step, acceptance, tok_s, tok_s_baseline,
 speedup, identical, steps, steps_baseline, drafted, accepted, new_tokens, seconds, seconds_baseline}.

@@ -26,7 +26,8 @@ beside it; an unseeded one gets a seed drawn once at admission.
 
 Speculative decoding (``GenerationRequest.speculative``, a `polykv.spec.SpecConfig`; documents only):
 the batch's `Speculator` (one per document batch, over the pool's n-gram index and outputs tree of the
-document) proposes drafts after each fed token; a step with drafts runs `AgentBatch.step_verify` and
+document) drafts after each fed token, every agent cut to the one width its `WidthPlanner` finds worth
+the batch step (`Speculator.propose_all`, as `SharedKVPool.generate`); a step with drafts runs `AgentBatch.step_verify` and
 every emitted token of an agent goes through the same eos / stop / max_tokens rules, in order. Tokens
 are the ones plain decoding gives (`polykv.spec.verify`); ``usage["speculative"]`` reports the
 request's drafted / accepted tokens and verify steps.
@@ -524,6 +525,8 @@ class Engine:
                 _set_sampling(batch, aid, st)
                 if req.speculative is not None and key is not _PLAIN and hasattr(batch, "step_verify"):
                     self._speculator(key).add(aid, list(req.prompt_ids), req.speculative)
+                    if hasattr(batch, "expect_drafts"):  # every verify width captured up front
+                        batch.expect_drafts(req.speculative.num_draft_tokens)
                     st.spec = {"drafted": 0, "accepted": 0, "steps": 0}
             except Exception as exc:
                 if aid is not None:
@@ -571,7 +574,7 @@ class Engine:
                     continue
             dt = time.perf_counter() - t0
             if spec is not None and timed:
-                spec.observe_step(width, dt)
+                spec.observe_step(width, dt, agents=len(logits))
             self.steps += 1
             self.last_step_s = dt
             if self.on_step is not None:
@@ -580,7 +583,7 @@ class Engine:
                 except Exception:  # pragma: no cover
                     log.exception("on_step callback failed")
             feed: dict = {}
-            drafts: dict = {}
+            limits: dict = {}  # speculating agents: drafts they may still use
             spec = self._specs.get(key)
             for aid, lg in logits.items():
                 st = self._live.get((key, aid))
@@ -613,12 +616,17 @@ class Engine:
                     if going:
                         feed[aid] = emitted[-1]
                         if spec is not None and aid in spec:
-                            left = st.handle.request.params.max_tokens - len(st.tokens) - 1
-                            drafts[aid] = spec.propose(aid, limit=left)
+                            limits[aid] = st.handle.request.params.max_tokens - len(st.tokens) - 1
                 except Exception as exc:  # this agent's sampling / detokenizing / stop check
                     log.exception("request %s failed after a step", st.handle.request.request_id)
                     self._fail(st, exc)
             self._feed(key, batch, feed)
+            drafts: dict = {}
+            if limits:  # one draft width for the batch step (WidthPlanner), as pool.generate
+                try:
+                    drafts = spec.propose_all({a: n for a, n in limits.items() if a in feed}, agents=len(feed))
+                except Exception:  # pragma: no cover - drafts are optional: go on without them
+                    log.exception("drafting failed")
             drafts = {a: d for a, d in drafts.items() if d and a in feed}
             if drafts:
                 try:

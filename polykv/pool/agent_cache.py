@@ -148,6 +148,15 @@ class AgentCache(Cache):
             raise ValueError(f"truncate: slot {slot} holds {int(self.lens[slot])} rows, cannot cut to {rows}")
         self.lens[slot] = rows
 
+    def rollback(self, slots: list[int], rows: list[int]) -> None:
+        """`truncate` of several slots at once: slot slots[i] loses its last rows[i] rows (one
+        indexed update instead of a tensor read and write per agent)."""
+        idx = torch.tensor(slots, dtype=torch.long)
+        new = self.lens[idx] - torch.tensor(rows, dtype=torch.long)
+        if bool((new < 0).any()) or min(rows) < 0:
+            raise ValueError(f"rollback: cannot cut {rows} rows from slots {slots} of lengths {self.lens[idx].tolist()}")
+        self.lens[idx] = new
+
     def clear_slot(self, slot: int) -> None:
         """Empty a slot and free its pages."""
         self.pages.free(slot)

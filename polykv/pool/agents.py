@@ -152,6 +152,14 @@ class AgentBatch:
         self._rows.set(a.slot, temperature, top_p, top_k or 0, seed, start)
         a.sampling = (not is_greedy(temperature, top_k), bool(top_k and top_k > 0) or top_p < 1.0)
 
+    def expect_drafts(self, k: int) -> None:
+        """Agents of this batch will verify up to k drafts per step: a captured step (CUDA) builds
+        every width 1..k+1 of its bucket on its first step (`DecodeGraphs.expect_columns`) instead
+        of capturing a width when it is first used mid-run. No effect without captured steps."""
+        self._check_open()
+        if self._graphs is not None and k > 0:
+            self._graphs.expect_columns(int(k) + 1)
+
     def feed(self, tokens: dict[int, int]) -> None:
         """Queue one token per agent ({aid: token_id}) for the next step."""
         for aid, t in tokens.items():
@@ -268,36 +276,48 @@ class AgentBatch:
         logits = self._forward(verifiers, keep=keep)[0]  # [G, keep, vocab]
         dev = logits.device
         # flat rows: agent g's columns keep - drafts_g - 1 .. keep - 1 (its pending token, its drafts)
-        cols = [(g, keep - a.drafts - 1 + j, j) for g, a in enumerate(verifiers) for j in range(a.drafts + 1)]
-        gi = torch.tensor([c[0] for c in cols], dtype=torch.long, device=dev)
-        ci = torch.tensor([c[1] for c in cols], dtype=torch.long, device=dev)
-        flat = logits[gi, ci]
+        gi, ci = [], []  # one host list pair, one copy: the (agent, column) rows of `flat`
+        for g, a in enumerate(verifiers):
+            gi += [g] * (a.drafts + 1)
+            ci += range(keep - a.drafts - 1, keep)
+        idx = torch.tensor([gi, ci], dtype=torch.long).to(dev)
+        flat = logits[idx[0], idx[1]]
         ids = torch.argmax(flat, dim=-1)
         drawn = [a.sampling is not None and a.sampling[0] for a in verifiers]
         if any(drawn):
+            cols = [(g, j) for g, a in enumerate(verifiers) for j in range(a.drafts + 1)]
             slots = torch.tensor([verifiers[c[0]].slot for c in cols], dtype=torch.long, device=dev)
-            offset = torch.tensor([c[2] for c in cols], dtype=torch.long, device=dev)
+            offset = torch.tensor([c[1] for c in cols], dtype=torch.long, device=dev)
             filtered = any(a.sampling[1] for a, d in zip(verifiers, drawn) if d)
             sampled = self._rows.draw(flat, slots, offset, filtered=filtered, greedy_ids=ids)
             mask = torch.tensor([drawn[c[0]] for c in cols], device=dev)
             ids = torch.where(mask, sampled, ids)
         chosen = _to_host(ids)
         pos = 0
-        advance = []
+        advance, cut_slots, cuts = [], [], []
         for a in verifiers:
             n = a.drafts + 1
-            mine, drafts = chosen[pos: pos + n], a.pending[len(a.pending) - a.drafts:] if a.drafts else []
+            mine = chosen[pos: pos + n]
             pos += n
             m = 0
-            while m < len(drafts) and drafts[m] == mine[m]:
-                m += 1
-            out[a.aid] = drafts[:m] + [mine[m]]
+            if a.drafts:
+                drafts = a.pending[len(a.pending) - a.drafts:]
+                while m < a.drafts and drafts[m] == mine[m]:
+                    m += 1
+                out[a.aid] = drafts[:m] + [mine[m]]
+            else:
+                out[a.aid] = mine
             rejected = a.drafts - m
-            a.tokens.extend(a.pending[: len(a.pending) - rejected])
             if rejected:
-                self.cache.truncate(a.slot, int(self.cache.lens[a.slot]) - rejected)
+                a.tokens += a.pending[: len(a.pending) - rejected]
+                cut_slots.append(a.slot)
+                cuts.append(rejected)
+            else:
+                a.tokens += a.pending
             a.pending, a.drafts, a.logits = [], 0, None
             advance.append(m + 1)
+        if cuts:  # rejected rows rolled back, all agents at once
+            self.cache.rollback(cut_slots, cuts)
         if any(drawn):
             slots = torch.tensor([a.slot for a in verifiers], dtype=torch.long, device=dev)
             self._rows.advance(slots, torch.tensor(advance, dtype=torch.long, device=dev))

@@ -13,6 +13,9 @@ exact n_q = widest agent's columns: a step costs what its widest agent needs, no
 rounding (5 columns ran as 8 before). More widths mean more captures, paid once per pool and
 document now that captured steps outlive a batch (below); the graph keeps the logits of every column.
 
+With speculation (`expect_columns`: up to k+1 columns) the batch's bucket captures every width
+1..k+1 on its first step, so no later step of the run captures.
+
 Which bucket runs n agents: bucket(n) when captured; while agents finish within a batch (n below the
 batch's peak) a larger bucket already captured for that width is replayed instead of capturing a
 smaller one for the last few steps; a batch that starts with n agents gets bucket(n) (captured once:
@@ -75,6 +78,7 @@ class DecodeGraphs:
         self.captures = 0  # steps built since the last `reset` (captured graphs, or static eager steps)
         self.total_captures = 0  # steps built over this object's life (across reuses)
         self._peak = 0  # most agents in one step since the last `reset`
+        self.columns = 1  # widest step this batch may run (`expect_columns`): its bucket's widths
 
     def reset(self) -> None:
         """A new batch takes over these steps (the pool reuses a closed batch's cache and graphs):
@@ -82,6 +86,15 @@ class DecodeGraphs:
         `storage_version` is unchanged, checked at every replay)."""
         self.captures = 0
         self._peak = 0
+        self.columns = 1
+
+    def expect_columns(self, n_q: int) -> None:
+        """Steps of up to n_q columns will run (speculation: num_draft_tokens + 1): the first step
+        of each bucket captures every width 1..n_q of that bucket at once, so that a width the
+        planner first picks in the middle of a run replays instead of capturing there (the H200
+        bench paid one 1.4 s capture inside a timed run that way). Paid once per pool and document
+        (the captured steps are parked and reused)."""
+        self.columns = max(self.columns, int(n_q))
 
     def widths(self) -> list[tuple[int, int]]:
         """(bucket, n_q) of every captured step, sorted."""
@@ -131,6 +144,12 @@ class DecodeGraphs:
             self._mempool = None
             self._version = cache.storage_version
         pages.device_table()  # refreshed in place before the replay reads it
+        if self.columns > 1 and B == bucket(self._peak):
+            # speculation: every width of the batch's bucket before its first replay (a smaller
+            # bucket replays what it has, else this one: no capture while agents finish)
+            for w in [1] + list(range(2, self.columns + 1)):
+                if (B, w) not in self._graphs:
+                    self._capture(B, w)
         cap = self._graphs.get((B, n_q)) or self._capture(B, n_q)
         h = cap.host
         toks, rows, pos = [], [], []

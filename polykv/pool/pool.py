@@ -698,6 +698,7 @@ class SharedKVPool:
                 for i, a in enumerate(aids):
                     batch.set_sampling(a, temperature, top_p, top_k, seed=base_seed + i)
             if spec is not None:
+                batch.expect_drafts(spec_cfg.num_draft_tokens)  # every verify width captured up front
                 for a, s in zip(aids, suffixes):
                     spec.add(a, s, spec_cfg)
             outs = {a: [] for a in aids}
@@ -750,8 +751,9 @@ class SharedKVPool:
                 drafts = spec.propose_all(limits, agents=len(feed)) if spec is not None else {}
                 self.peak_agent_bytes = max(self.peak_agent_bytes, batch.nbytes())
                 peak = batch.peak_bytes
-                for a in [a for a in aids if a not in live and a in batch.agents()]:
-                    batch.remove(a)
+                if len(live) < len(batch):  # agents done this step leave the batch
+                    for a in [a for a in batch.agents() if a not in live]:
+                        batch.remove(a)
                 batch.feed(feed)
                 drafted = {a: len(d) for a, d in drafts.items() if d}
                 batch.feed_drafts({a: d for a, d in drafts.items() if d})

@@ -120,6 +120,8 @@ class Speculator:
             if self.planner is None:
                 self.planner = WidthPlanner(config.num_draft_tokens, self.times, self.prior, cost)
             self.planner.k_max = max(self.planner.k_max, config.num_draft_tokens)
+        if self.tree is not None:
+            self.tree.fit(config.num_draft_tokens)  # builds only the depth drafts read
         handle = self.tree.start() if self.tree is not None else None
         self._agents[key] = _AgentSpec([int(t) for t in prompt_ids], drafter, length, handle, key)
 
@@ -131,6 +133,7 @@ class Speculator:
         which is about to be fed); at most `limit` (e.g. the tokens it may still emit, minus the one
         every step emits anyway)."""
         st = self._agents[key]
+        st.length.planned = False  # its own back-off decides again
         k = st.length.next()
         if limit is not None:
             k = min(k, int(limit))
@@ -160,6 +163,8 @@ class Speculator:
         adaptive = [k for k in out if not self._agents[k].length.fixed]
         if self.planner is None or not adaptive:
             return out
+        for k in adaptive:
+            self._agents[k].length.planned = True  # acceptance only: the planner picks the width
         w = self.planner.choose([(self._agents[k].length.acceptance, len(out[k])) for k in adaptive],
                                 agents if agents is not None else len(limits))
         self.widths[w] += 1

@@ -317,3 +317,68 @@ def test_bucket_follows_the_batch_not_the_parked_graphs(tiny, static_graphs):
         b.step_tokens()
         decode(b, aids)
         assert b._graphs.widths() == [(4, 1), (8, 1)] and b.graph_captures == 1
+
+
+@pytest.mark.parametrize("adaptive", [False, True])
+def test_speculation_captures_every_width_before_the_hot_loop(tiny, static_graphs, monkeypatch, adaptive):
+    """With speculation on, the first replay of a bucket builds every width 1..k+1 of it: no step
+    after the first captures (a width first chosen mid-run used to capture there: 1.4 s inside a
+    timed H200 run), and the timed steps of the run skip none. Outputs unchanged."""
+    model, tok = tiny
+    replays, at = [0], []
+    run = DecodeGraphs._replay
+    cap = DecodeGraphs._capture
+
+    def count_replay(self, *a, **kw):
+        replays[0] += 1
+        return run(self, *a, **kw)
+
+    def record_capture(self, B, n_q):
+        at.append((replays[0], B, n_q))
+        return cap(self, B, n_q)
+
+    monkeypatch.setattr(DecodeGraphs, "_replay", count_replay)
+    monkeypatch.setattr(DecodeGraphs, "_capture", record_capture)
+    spec = dict(SPEC, adaptive=adaptive)
+    prompts = [[5, 6, 7], [8], [9, 10], [11, 12, 13, 14], [15]]  # 5 agents: bucket 8
+    pool = SharedKVPool(model, tok, k="q8_0", v="turbo3", prefill_chunk=32)
+    doc = pool.add_document(DOC * 2)
+    pool.generate(doc, prompts, max_new_tokens=9, speculative=spec)
+    k = spec["num_draft_tokens"]
+    assert sorted((B, w) for _, B, w in at) == [(8, w) for w in range(1, k + 2)]
+    assert {r for r, _, _ in at} == {1}  # all inside the first replay of the batch
+    assert pool.last_generate["graph_captures"] == k + 1
+    first = pool.last_generate["answer_ids"]
+    at.clear()
+    pool.generate(doc, prompts, max_new_tokens=9, speculative=spec)
+    assert at == [] and pool.last_generate["answer_ids"] == first
+    pool.generate(doc, prompts, max_new_tokens=9)  # plain: nothing more to capture, same tokens
+    assert at == [] and pool.last_generate["answer_ids"] == first
+
+
+def test_finishing_agents_never_capture_a_smaller_bucket(tiny, static_graphs):
+    """A smaller bucket with only some widths captured ((4, 1), say from an earlier plain batch)
+    serves the widths it has when a speculative batch of 5 shrinks to 3; the other widths replay
+    the batch's own bucket 8: nothing is captured after the first decode step."""
+    model, tok = tiny
+    pool = SharedKVPool(model, tok, k="q8_0", v="turbo3", prefill_chunk=32)
+    doc = pool.add_document(DOC)
+    with pool.open_batch(doc, capacity=8, seq_capacity=16) as b:
+        b._graphs._capture(4, 1)
+        b.expect_drafts(3)
+        aids = [b.add([5 + i, 6]) for i in range(5)]
+        b.step_tokens()
+        b.feed({a: 40 for a in aids})
+        b.feed_drafts({aids[0]: [41, 42, 43]})
+        b.step_verify()  # first decode step: bucket 8, widths 1..4
+        assert b._graphs.widths() == [(4, 1)] + [(8, w) for w in range(1, 5)]
+        before = b._graphs.total_captures
+        for a in aids[3:]:
+            b.remove(a)
+        b.feed({a: 44 for a in aids[:3]})
+        b.step_verify()  # plain step of 3: (4, 1)
+        b.feed({a: 45 for a in aids[:3]})
+        b.feed_drafts({aids[1]: [46]})
+        b.step_verify()  # width 2 of 3 agents: bucket 8's
+        assert b._graphs.total_captures == before
+        assert b._graphs.widths() == [(4, 1)] + [(8, w) for w in range(1, 5)]

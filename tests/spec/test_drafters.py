@@ -195,3 +195,134 @@ def test_step_cost_fits_the_measured_steps_and_drives_the_agents():
     assert spec._agents["a"].length.cost == pytest.approx(0.5)
     assert spec._agents["b"].length.cost == 0.1  # a cost set in the config stays
     assert spec._agents["a"].length.best_k() < before
+
+
+# the object-per-node tree this module replaced (polykv 373eb35): the reference for its drafts
+class _RefNode:
+    __slots__ = ("count", "children")
+
+    def __init__(self):
+        self.count = 0
+        self.children = {}
+
+
+class _RefTree:
+    def __init__(self, max_depth=24, max_match=8, min_share=0.25, max_nodes=500_000):
+        self.max_depth, self.max_match, self.min_share, self.max_nodes = max_depth, max_match, min_share, max_nodes
+        self.root, self.nodes, self.generation = _RefNode(), 1, 0
+
+    def start(self):
+        return [self.generation, []]
+
+    def extend(self, handle, t):
+        if self.nodes > self.max_nodes:
+            self.root, self.nodes, self.generation = _RefNode(), 1, self.generation + 1
+        if handle[0] != self.generation:
+            handle[0], handle[1] = self.generation, []
+        new = []
+        for node, depth in handle[1] + [(self.root, 0)]:
+            child = node.children.get(t)
+            if child is None:
+                child = node.children[t] = _RefNode()
+                self.nodes += 1
+            child.count += 1
+            if depth + 1 < self.max_depth:
+                new.append((child, depth + 1))
+        handle[1] = new
+
+    def propose(self, ctx, k):
+        for m in range(min(self.max_match, len(ctx), self.max_depth - 1), 0, -1):
+            node = self.root
+            for t in ctx[-m:]:
+                node = node.children.get(t) if node is not None else None
+            if node is None or not node.children:
+                continue
+            out = []
+            while node.children and len(out) < k:
+                t, child = max(node.children.items(), key=lambda kv: kv[1].count)
+                if child.count < self.min_share * sum(c.count for c in node.children.values()):
+                    break
+                out.append(t)
+                node = child
+            if out:
+                return out
+        return []
+
+
+@pytest.mark.parametrize("depth,vocab,max_nodes", [(4, 5, 10_000), (24, 7, 500_000), (6, 3, 300), (2, 9, 1000)])
+def test_suffix_tree_drafts_equal_the_object_tree(depth, vocab, max_nodes):
+    """Interleaved growing sequences (ties, clears at max_nodes, depth limits): every proposal and
+    the node count equal the reference tree's."""
+    rng = random.Random(depth * 100 + vocab)
+    a, b = SuffixTree(max_depth=depth, max_nodes=max_nodes), _RefTree(max_depth=depth, max_nodes=max_nodes)
+    seqs = [([], a.start(), b.start()) for _ in range(5)]
+    for step in range(1500):
+        ctx, ha, hb = seqs[rng.randrange(len(seqs))]
+        t = rng.randrange(vocab) if rng.random() < 0.6 else (ctx[-3] if len(ctx) > 3 else 0)
+        ctx.append(t)
+        a.extend(ha, t)
+        b.extend(hb, t)
+        assert a.nodes == b.nodes
+        probe = [rng.randrange(vocab) for _ in range(rng.randrange(1, 10))]
+        for c in (ctx, probe):
+            assert a.propose(c, 5) == b.propose(c, 5)
+
+
+def _ref_lookup(index, ctx, k, max_ngram=6, min_ngram=2):
+    """PromptLookup before the memo and the own-token index: a scan per n."""
+    from polykv.spec.drafters import _own_match
+
+    for n in range(min(max_ngram, len(ctx)), min_ngram - 1, -1):
+        pat = ctx[-n:]
+        if index is not None:
+            for pos in sorted(index._sa[slice(*index.find(pat))][:8]):
+                if index.ids[pos + n: pos + n + k]:
+                    return index.ids[pos + n: pos + n + k]
+        j = _own_match(ctx, n)
+        if j >= 0:
+            return ctx[j: j + k]
+    return []
+
+
+@pytest.mark.parametrize("vocab,min_ngram,max_ngram", [(3, 2, 6), (6, 1, 4), (12, 2, 3)])
+def test_prompt_lookup_incremental_equals_a_scan(vocab, min_ngram, max_ngram):
+    """A context grown by appending (the Speculator's), fresh lists and a rewritten context: the
+    drafts equal a full scan's every time."""
+    rng = random.Random(vocab)
+    doc = [rng.randrange(vocab) for _ in range(80)]
+    for index in (NgramIndex(doc), None):
+        pl = PromptLookup(index, max_ngram, min_ngram)
+        ctx = [rng.randrange(vocab)]
+        for step in range(300):
+            ctx.extend(rng.randrange(vocab) for _ in range(rng.randrange(1, 4)))
+            if step % 97 == 96:
+                ctx[-5:] = [rng.randrange(vocab) for _ in range(5)]  # not an append: re-indexed
+            want = _ref_lookup(index, ctx, 4, max_ngram, min_ngram)
+            assert pl.propose(ctx, 4) == want
+            assert pl.propose(list(ctx), 4) == want  # another list: from scratch
+            assert pl.propose(ctx, 4) == want
+
+
+@pytest.mark.parametrize("k", [1, 3, 4])
+def test_fitted_tree_drafts_equal_the_full_depth_tree(k):
+    """A tree fitted to k builds only max_match + k levels; its drafts of up to k tokens equal the
+    full-depth tree's, and it deepens (never shrinks) for a larger k once filled."""
+    rng = random.Random(k)
+    full, fitted = SuffixTree(max_depth=24, max_match=5), SuffixTree(max_depth=24, max_match=5)
+    fitted.fit(k)
+    assert fitted.depth == 5 + k
+    hs = [(full.start(), fitted.start(), []) for _ in range(4)]
+    for _ in range(800):
+        hf, hp, ctx = hs[rng.randrange(4)]
+        t = rng.randrange(4) if rng.random() < 0.7 else (ctx[-4] if len(ctx) > 4 else 0)
+        ctx.append(t)
+        full.extend(hf, t)
+        fitted.extend(hp, t)
+        for c in (ctx, [rng.randrange(4) for _ in range(rng.randrange(1, 9))]):
+            for j in range(1, k + 1):
+                assert fitted.propose(c, j) == full.propose(c, j)
+    assert fitted.nodes < full.nodes
+    fitted.fit(1)
+    assert fitted.depth == 5 + k  # filled: never shallower
+    fitted.fit(30)
+    assert fitted.depth == 24

@@ -78,10 +78,40 @@ def test_engine_prices_draft_columns_from_its_decode_steps(tiny, monkeypatch):
     prompts = [pool.prompt_ids(doc, q) for q in ("Ships:", "The keeper")]
     seen = []
     observe = Speculator.observe_step
-    monkeypatch.setattr(Speculator, "observe_step", lambda self, w, s: (seen.append((w, s)), observe(self, w, s)))
+    monkeypatch.setattr(Speculator, "observe_step",
+                        lambda self, w, s, agents=None: (seen.append((w, s)), observe(self, w, s, agents)))
     with Engine(pool) as eng:
         _run(eng, doc, prompts, SpecConfig(method="suffix_tree", num_draft_tokens=3, adaptive=False),
              max_tokens=16, temperature=0)
         steps = eng.steps
     assert seen and max(w for w, _ in seen) > 0 and all(s > 0 for _, s in seen)
     assert len(seen) < steps  # the prompt prefill step is not timed
+
+
+def test_engine_plans_one_width_per_batch_step(tiny, monkeypatch):
+    """The engine drafts through the batch-level planner (`Speculator.propose_all`, as
+    pool.generate), not per agent: every step's drafts share one width, the planner's widths are
+    counted, and the text equals plain decoding."""
+    from polykv.spec import Speculator
+
+    model, tok = tiny
+    pool = make_pool(model, tok)
+    doc = pool.add_document(DOC)
+    prompts = [pool.prompt_ids(doc, q) for q in ("Ships:", "The keeper", "whalers in 1911", "cape")]
+    planners, per_agent = [], []
+    propose = Speculator.propose
+    monkeypatch.setattr(Speculator, "propose", lambda self, *a, **k: (per_agent.append(a), propose(self, *a, **k))[1])
+    choose = Speculator.propose_all
+
+    def spy(self, limits, agents=None):
+        planners.append(self)
+        return choose(self, limits, agents)
+
+    monkeypatch.setattr(Speculator, "propose_all", spy)
+    with row_invariant(model), Engine(pool) as eng:
+        plain = _run(eng, doc, prompts, None, max_tokens=24, temperature=0)
+        spec = _run(eng, doc, prompts, SpecConfig(method="suffix_tree", num_draft_tokens=3, cost_per_draft=0.0),
+                    max_tokens=24, temperature=0)
+    assert [t for t, _, _ in spec] == [t for t, _, _ in plain]
+    assert planners and not per_agent
+    assert sum(planners[-1].widths.values()) > 0 and sum(u["speculative"]["drafted"] for _, _, u in spec) > 0
