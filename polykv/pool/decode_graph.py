@@ -189,8 +189,11 @@ class DecodeGraphs:
             cache._group = Group(sel=slice(0, B), n_q=n_q, rows=rows, lens=lens,
                                  seq=cache.pages.table.shape[1] * cache.pages.page_size)
             try:
-                res = self.model(input_ids=ids, position_ids=pos, attention_mask=mask,
-                                 past_key_values=cache, use_cache=True, logits_to_keep=n_q)
+                # no autograd on the eager path either (capture_graph runs it under no_grad): a
+                # codec table cached under inference_mode elsewhere cannot enter a tracked graph
+                with torch.no_grad():
+                    res = self.model(input_ids=ids, position_ids=pos, attention_mask=mask,
+                                     past_key_values=cache, use_cache=True, logits_to_keep=n_q)
             finally:
                 cache._group = None
             if n_q == 1:

@@ -382,3 +382,20 @@ def test_finishing_agents_never_capture_a_smaller_bucket(tiny, static_graphs):
         b.step_verify()  # width 2 of 3 agents: bucket 8's
         assert b._graphs.total_captures == before
         assert b._graphs.widths() == [(4, 1)] + [(8, w) for w in range(1, 5)]
+
+
+def test_eager_static_step_runs_without_autograd(tiny, static_graphs, monkeypatch):
+    """A static step run eagerly (capture=False) does not track gradients: a rotation table cached
+    under torch.inference_mode by other code (a CI run's test order did it) would otherwise fail
+    "Inference tensors cannot be saved for backward" inside the turbo encode."""
+    from polykv.codecs import rotation
+
+    monkeypatch.setattr(rotation, "_DEVICE_CACHE", {})
+    with torch.inference_mode():
+        rotation.rotation_matrix(32, "cpu")
+    model, tok = tiny
+    pool = SharedKVPool(model, tok, k="q8_0", v="turbo3", prefill_chunk=32)
+    doc = pool.add_document(DOC)
+    with pool.open_batch(doc, capacity=4, seq_capacity=16) as b:
+        b._graphs._capture(4, 1)  # outside any no_grad, as a direct call is
+        assert b._graphs.widths() == [(4, 1)]
