@@ -38,6 +38,12 @@ class Packed:
         """Apply the same indexing to codes and scales (leading dims only)."""
         return Packed(self.codes[idx], None if self.scales is None else self.scales[idx])
 
+    @staticmethod
+    def cat(parts: "list[Packed]", dim: int = 2) -> "Packed":
+        """The parts' rows joined along leading dim `dim` (a copy)."""
+        scales = None if parts[0].scales is None else torch.cat([p.scales for p in parts], dim)
+        return Packed(torch.cat([p.codes for p in parts], dim), scales)
+
     def to(self, device) -> "Packed":
         return Packed(self.codes.to(device), None if self.scales is None else self.scales.to(device))
 

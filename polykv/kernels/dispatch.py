@@ -184,7 +184,7 @@ def cascade_attention(q: torch.Tensor, prefix_k: Packed | None, prefix_v: Packed
             suffix_k, suffix_v = (gather_pages(p, suffix_pages, page_size) for p in (suffix_k, suffix_v))
         if prefix_chunks is not None:
             parts = list(prefix_chunks)
-            prefix_k, prefix_v = (join_rows([c[i] for c in parts]) for i in (0, 1))
+            prefix_k, prefix_v = (Packed.cat([c[i] for c in parts]) for i in (0, 1))
         return ref.cascade_attention_ref(q, prefix_k, prefix_v, suffix_k, suffix_v, suffix_lens,
                                          k_codec, v_codec, sm_scale=sm_scale, k_innerq=k_innerq)
     cas = _k()[1]
@@ -200,14 +200,6 @@ def cascade_attention(q: torch.Tensor, prefix_k: Packed | None, prefix_v: Packed
                                     prefix_chunks=prefix_chunks, prefix_rows=prefix_rows, **tune)
     out = _finish(out.reshape(N, Hq, n_q, D), vc).to(q.dtype)
     return out, lse.reshape(N, Hq, n_q)
-
-
-def join_rows(parts: list[Packed]) -> Packed:
-    """Packed leading [B, Hkv, R_i] parts -> one Packed of their rows in order (a copy)."""
-    if len(parts) == 1:
-        return parts[0]
-    scales = None if parts[0].scales is None else torch.cat([p.scales for p in parts], dim=2)
-    return Packed(torch.cat([p.codes for p in parts], dim=2), scales)
 
 
 def gather_pages(pool: Packed, table: torch.Tensor, page_size: int) -> Packed:

@@ -282,14 +282,15 @@ def load_tile(CODES, SCALES, CENT, row_off, srow_off, nmask, g: tl.constexpr, BN
 _PLACEHOLDERS: dict = {}
 
 
-def placeholder(device) -> torch.Tensor:
-    """A float32 [1] tensor for pointer arguments a kernel variant never reads (codebooks of
-    non-turbo codecs, absent InnerQ scales): one per device, so launches allocate and fill nothing
-    (a captured decode step would otherwise carry a fill kernel per call)."""
-    key = str(torch.device(device))
+def placeholder(device, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """A [1] tensor for pointer arguments a kernel variant never reads (codebooks of non-turbo
+    codecs, absent InnerQ scales, the page table of unpaged launches: int32): one per (device,
+    dtype), so launches allocate and fill nothing (a captured decode step would otherwise carry a
+    fill kernel per call)."""
+    key = (str(torch.device(device)), dtype)
     t = _PLACEHOLDERS.get(key)
     if t is None:
-        t = _PLACEHOLDERS[key] = torch.zeros(1, dtype=torch.float32, device=device)
+        t = _PLACEHOLDERS[key] = torch.zeros(1, dtype=dtype, device=device)
     return t
 
 

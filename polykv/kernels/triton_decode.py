@@ -105,12 +105,22 @@ def _split_bounds(KV_LENS, KV_START, b, pid_s, SPLIT_LEN, BLOCK_N: tl.constexpr,
 
 
 @triton.jit
+def _first_row(PT, PT_STRIDE, b, n0, PAGE: tl.constexpr):
+    """int64 storage row of sequence row n0: through the page table when PAGE > 0."""
+    if PAGE > 0:
+        page = tl.load(PT + b.to(tl.int64) * PT_STRIDE + n0 // PAGE).to(tl.int64)
+        r = page * PAGE + (n0 % PAGE)
+    else:
+        r = tl.cast(n0, tl.int64)
+    return r
+
+
+@triton.jit
 def _row_index(PT, PT_STRIDE, b, n0, offs_n, PAGE: tl.constexpr, BLOCK_N: tl.constexpr):
     """int64 [BLOCK_N] storage rows of sequence rows n0 + i: through the page table when PAGE > 0
     (a tile never straddles a page: PAGE % BLOCK_N == 0), else the rows themselves."""
     if PAGE > 0:
-        page = tl.load(PT + b.to(tl.int64) * PT_STRIDE + n0 // PAGE).to(tl.int64)
-        on = page * PAGE + (n0 % PAGE) + tl.arange(0, BLOCK_N).to(tl.int64)
+        on = _first_row(PT, PT_STRIDE, b, n0, PAGE) + tl.arange(0, BLOCK_N).to(tl.int64)
     else:
         on = offs_n.to(tl.int64)
     return on
@@ -203,7 +213,7 @@ def _decode_kernel(
         ks0 = ksbase
         vs0 = vsbase
         if K_PAIRS or V_PAIRS:  # the tile's first storage row
-            on0 = tl.sum(_row_index(PT, PT_STRIDE, b, n0, n0 + tl.arange(0, 1), PAGE, 1), 0)
+            on0 = _first_row(PT, PT_STRIDE, b, n0, PAGE)
             ks0 += on0
             vs0 += on0
         # ---- scores
@@ -319,19 +329,6 @@ def _scale_layout(p: Packed, ss: tuple) -> tuple[bool, int]:
     return pairs, srow
 
 
-_INT_PLACEHOLDERS: dict = {}
-
-
-def _int_placeholder(device) -> torch.Tensor:
-    """An int32 [1] tensor for the page-table pointer of unpaged launches (never read), one per
-    device: no allocation or fill per launch (captured steps)."""
-    key = str(torch.device(device))
-    t = _INT_PLACEHOLDERS.get(key)
-    if t is None:
-        t = _INT_PLACEHOLDERS[key] = torch.zeros(1, dtype=torch.int32, device=device)
-    return t
-
-
 def _block_n(d: int) -> int:
     return {64: 64, 128: 64, 256: 32, 512: 32}.get(d, 32)
 
@@ -432,7 +429,7 @@ def decode_prepared(qp: torch.Tensor, n_q: int, k: Packed, v: Packed, k_codec, v
         page_table = page_table.to(device=dev, dtype=torch.int32)
         pt_stride = page_table.stride(0)
     else:
-        page_table, pt_stride = _int_placeholder(dev), 0  # never read
+        page_table, pt_stride = placeholder(dev, torch.int32), 0  # never read
     # one-warp programs: 8 per SM, one full wave (H200 v5 sweep at 64k: 68 us at 8 per SM, 99-108
     # us at 10-13 per SM, 91 us at 4 per SM)
     target = target_programs or num_programs_target(dev) * (2 if phase and num_warps == 1 else 1)

@@ -15,6 +15,7 @@ import math
 
 import torch
 
+from ..codecs import Packed
 from ..kernels.reference import cascade_attention_ref, merge_attention_ref
 
 _DISPATCH = None
@@ -60,10 +61,8 @@ def cascade_attention(q, prefix_k, prefix_v, suffix_k, suffix_v, suffix_lens, k_
                                      suffix_pages=suffix_pages, page_size=page_size,
                                      prefix_chunks=prefix_chunks, prefix_rows=prefix_rows)
     if prefix_chunks is not None:
-        from ..kernels.dispatch import join_rows
-
         parts = list(prefix_chunks)
-        prefix_k, prefix_v = (join_rows([c[i] for c in parts]) for i in (0, 1))
+        prefix_k, prefix_v = (Packed.cat([c[i] for c in parts]) for i in (0, 1))
     if suffix_pages is not None:
         from ..kernels.dispatch import gather_pages
 

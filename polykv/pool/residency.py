@@ -110,8 +110,7 @@ class HostLayer:
         codec = self.k_codec if i == 0 else self.v_codec
         if not parts:
             return codec.empty((1, self.kv_heads, 0))
-        return Packed(torch.cat([p.codes for p in parts], 2),
-                      None if parts[0].scales is None else torch.cat([p.scales for p in parts], 2))
+        return Packed.cat(parts)
 
     def keys(self) -> Packed:
         """Packed keys, leading [1, Hkv, length] (a CPU copy)."""
