@@ -147,7 +147,7 @@ class DecodeGraphs:
         if self.columns > 1 and B == bucket(self._peak):
             # speculation: every width of the batch's bucket before its first replay (a smaller
             # bucket replays what it has, else this one: no capture while agents finish)
-            for w in [1] + list(range(2, self.columns + 1)):
+            for w in range(1, self.columns + 1):
                 if (B, w) not in self._graphs:
                     self._capture(B, w)
         cap = self._graphs.get((B, n_q)) or self._capture(B, n_q)

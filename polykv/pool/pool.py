@@ -593,21 +593,13 @@ class SharedKVPool:
         """The parked batches (agents.Parked), least recently parked first."""
         return sorted((d.parked for d in self._docs.values() if d.parked is not None), key=lambda p: p.since)
 
-    def _drop_parked(self) -> int:
-        """Free every parked batch (suffix pages and captured steps) now; the next batch of each
-        document starts fresh. Returns how many were dropped."""
-        with self._lock:
-            n = 0
-            for d in self._docs.values():
-                if d.parked is not None:
-                    d.parked = None
-                    n += 1
-            return n
-
     def close(self) -> None:
-        """Free what the pool keeps beyond its documents: the parked batches (`_drop_parked`). The
-        pool stays usable (a later batch starts fresh); open batches are the caller's to close."""
-        self._drop_parked()
+        """Free what the pool keeps beyond its documents: the parked batches (suffix pages and
+        captured steps). The pool stays usable (a later batch starts fresh); open batches are the
+        caller's to close."""
+        with self._lock:
+            for d in self._docs.values():
+                d.parked = None
 
     def prompt_ids(self, doc: str, prompt, chat_template: bool = True) -> list[int]:
         """Suffix token ids of one agent; its full prompt is always doc ids + these ids.
