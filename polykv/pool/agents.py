@@ -6,6 +6,8 @@
     batch.set_sampling(aid, temperature=0.8, top_p=0.95, seed=7)  # the agent's own draws (optional)
     tokens = batch.step_tokens()          # {aid: next token id}, chosen on the device (greedy default)
     batch.feed({aid: token_id, ...})      # queue one more token per agent
+    ahead = batch.step_tokens_ahead()     # pipelined: the chosen ids feed the next step on the device;
+    tokens = ahead.result()               #   read them after launching that step (PendingTokens)
     batch.feed_drafts({aid: [d1, d2, ...]})  # speculative: guesses to verify after the fed token
     emitted = batch.step_verify()         # {aid: [accepted drafts..., next token]}, rejects rolled back
     batch.remove(aid); len(batch); batch.close()
@@ -28,6 +30,16 @@ Semantics
   rows of rejected drafts are rolled back: the slot's length is cut back (`AgentCache.truncate`), so
   the next forward overwrites them and attention never reads them — the cache is then exactly what
   it would be had they never been fed.
+* Pipelined decoding (`step_tokens_ahead`, what `SharedKVPool.generate` runs without speculation):
+  the ids a step chooses are written into the batch's feedback row (`_fb`, one device int64 per
+  slot) and each computed agent gets a pending token that says "mine is in the feedback row"
+  (`_ON_DEVICE`); the next step copies that row into its token column on the device. Rows and
+  positions of a step do not depend on its tokens, so the host builds and launches step t+1 while
+  the device still computes step t, and reads step t's ids afterwards (a non-blocking copy into
+  pinned memory with a CUDA event: `PendingTokens.result` waits for that step only). The host
+  learns a token one step late: an agent that stops on it has already been fed into the next step,
+  whose token for it is dropped when the agent is removed (its rows go with its slot, as any
+  removed agent's). The token lists (`tokens`) hold `_ON_DEVICE` until the ids are read.
 * On CUDA, a decode step of agents in slots 0..n-1 replays a captured CUDA graph
   (`decode_graph.py`; `graphs=False` or POLYKV_CUDA_GRAPHS=0 keeps it eager). A batch over a
   host-tier document streams its prefix (`attention.PrefixStreamer`): the captured step holds the
@@ -49,6 +61,10 @@ from dataclasses import dataclass, field
 import torch
 
 from ..generation import SamplingRows
+
+_ON_DEVICE = -1
+"""A pending token chosen by `step_tokens_ahead` and not read on the host yet: the step that takes it
+reads it from the batch's feedback row (`AgentBatch._fb[slot]`). Token ids are never negative."""
 
 
 @dataclass
@@ -98,6 +114,9 @@ class AgentBatch:
         self._failed = False  # a forward raised: close() frees the storage instead of parking it
         self.peak_bytes = self.cache.nbytes()
         self._rows = SamplingRows(self.cache.batch_capacity, pool.device)  # per-slot set_sampling
+        # the feedback row: int64 [slots] on the device, the id step_tokens_ahead chose for each slot
+        self._fb = torch.zeros(self.cache.batch_capacity, dtype=torch.long, device=pool.device)
+        self._ahead: list[PendingTokens] = []  # step_tokens_ahead results not read yet
 
     @property
     def graph_captures(self) -> int:
@@ -123,6 +142,8 @@ class AgentBatch:
             self._grown(version)
         self.cache.clear_slot(slot)
         self._rows.reserve(slot + 1)
+        if slot >= self._fb.numel():
+            self._fb = torch.cat([self._fb, self._fb.new_zeros(max(slot + 1, 2 * self._fb.numel()) - self._fb.numel())])
         self._slots.append(aid)
         self._agents[aid] = _Agent(aid, slot, pending=ids)
         return aid
@@ -163,7 +184,10 @@ class AgentBatch:
     def feed(self, tokens: dict[int, int]) -> None:
         """Queue one token per agent ({aid: token_id}) for the next step."""
         for aid, t in tokens.items():
-            self._get(aid).pending.append(int(t))
+            t = int(t)
+            if t < 0:
+                raise ValueError(f"agent {aid}: token ids are not negative (got {t})")
+            self._get(aid).pending.append(t)
 
     def feed_drafts(self, drafts: dict[int, list[int]]) -> None:
         """Queue draft tokens ({aid: [d1, ...]}) after each agent's pending token(s), to be verified
@@ -185,6 +209,8 @@ class AgentBatch:
             self.cache.move_slot(last, a.slot)
             if moved.sampling is not None:
                 self._rows.move(last, a.slot)
+            if _ON_DEVICE in moved.pending:  # its fed token moves with it (after the step writing it)
+                self._fb[a.slot].copy_(self._fb[last])
             moved.slot = a.slot
             self._slots[a.slot] = moved.aid
         else:
@@ -194,12 +220,19 @@ class AgentBatch:
     def __len__(self) -> int:
         return len(self._agents)
 
+    def __contains__(self, aid: int) -> bool:
+        return aid in self._agents
+
     def agents(self) -> list[int]:
         return list(self._agents)
 
     def tokens(self, aid: int) -> list[int]:
-        """Suffix tokens of agent `aid` processed so far (prompt + fed tokens)."""
-        return list(self._get(aid).tokens)
+        """Suffix tokens of agent `aid` processed so far (prompt + fed tokens); reads the ids of
+        every `step_tokens_ahead` not read yet (waits for them)."""
+        a = self._get(aid)
+        for p in list(self._ahead):
+            p.result()
+        return list(a.tokens)
 
     def suffix_length(self, aid: int) -> int:
         return int(self.cache.lens[self._get(aid).slot])
@@ -230,9 +263,58 @@ class AgentBatch:
             raise RuntimeError("agents have drafts pending: use step_verify()")
         return self._choose(self._run_pending())
 
+    @torch.no_grad()
+    def step_tokens_ahead(self) -> "PendingTokens":
+        """`step_tokens` without waiting for the ids (pipelined decoding, module doc): run all
+        pending tokens, choose each computed agent's next token on the device and feed it straight
+        back — it becomes the agent's pending token, which the next step reads on the device, never
+        through the host — and start one non-blocking copy of the ids to the host. Returns at once
+        (on CUDA typically before the device has run the step); `PendingTokens.result()` waits for
+        this step's ids only, so the host can launch the next step first. An agent that must not
+        take its token (EOS, a stop string, enough tokens) has been fed anyway: `remove` it (the
+        next step's token for it is wasted; its rows go with its slot). On CPU the same code runs
+        (the copy is immediate): tokens equal `step_tokens` + `feed` of those tokens."""
+        if any(a.drafts for a in self._agents.values()):
+            raise RuntimeError("agents have drafts pending: use step_verify()")
+        chosen = self._chosen(self._run_pending())
+        fed = []
+        for group, ids in chosen:
+            first = group[0].slot
+            if group[-1].slot - first == len(group) - 1:  # sorted distinct slots: a range, a view
+                self._fb[first: first + len(group)].copy_(ids)
+            else:
+                self._fb.index_copy_(0, torch.tensor([a.slot for a in group], device=ids.device), ids)
+            for a in group:
+                fed.append((a, len(a.tokens) + len(a.pending)))  # where the token lands in its stream
+                a.pending.append(_ON_DEVICE)
+        ids = torch.cat([ids for _, ids in chosen]) if len(chosen) != 1 else chosen[0][1]
+        event = None
+        if ids.device.type == "cuda":
+            host = torch.empty(ids.shape, dtype=ids.dtype, pin_memory=True)
+            host.copy_(ids, non_blocking=True)
+            event = torch.cuda.Event()
+            event.record()
+        else:
+            host = ids.clone()  # a captured step's outputs are rewritten by the next step
+        pending = PendingTokens(self, fed, host, event)
+        self._ahead.append(pending)
+        return pending
+
     def _choose(self, groups) -> dict[int, int]:
-        """The token choice of `step_tokens` over `_run_pending`'s groups."""
-        agents, chosen = [], []
+        """The token choice of `step_tokens` over `_run_pending`'s groups: {aid: id}, one copy."""
+        chosen = self._chosen(groups)
+        out: dict[int, int] = {}
+        if chosen:
+            agents = [a for group, _ in chosen for a in group]
+            for a, t in zip(agents, _to_host(torch.cat([ids for _, ids in chosen]))):
+                out[a.aid] = t
+        return out
+
+    def _chosen(self, groups) -> list[tuple[list[_Agent], torch.Tensor]]:
+        """Each group's chosen ids on the device: [(agents, int64 [G])]: the argmax (a captured
+        step's own), or `SamplingRows.choose` for agents given `set_sampling` (one vectorised draw
+        per forward). Clears the agents' cached logits."""
+        out = []
         for group, logits, greedy in groups:
             ids = greedy if greedy is not None else torch.argmax(logits, dim=-1)
             own = [a.sampling for a in group]
@@ -243,15 +325,14 @@ class AgentBatch:
                 else:
                     rows = torch.tensor([a.slot for a in group], dtype=torch.long, device=logits.device)
                 drawn = self._rows.choose(logits, rows, filtered=any(s[1] for s in mine), greedy_ids=greedy)
-                has = torch.tensor([s is not None for s in own], device=ids.device)
-                ids = torch.where(has, drawn, ids)
-            agents.extend(group)
-            chosen.append(ids)
-        out: dict[int, int] = {}
-        if agents:
-            for a, t in zip(agents, _to_host(torch.cat(chosen))):
+                if len(mine) == len(own):  # every row its own parameters (no host-built mask to copy)
+                    ids = drawn
+                else:
+                    has = torch.tensor([s is not None for s in own], device=ids.device)
+                    ids = torch.where(has, drawn, ids)
+            for a in group:
                 a.logits = None
-                out[a.aid] = t
+            out.append((group, ids))
         return out
 
     @torch.no_grad()
@@ -356,9 +437,9 @@ class AgentBatch:
         n_q = max(len(a.pending) for a in group)
         if self._graphs is not None and all(a.slot == g for g, a in enumerate(group)):
             if not keep and n_q == 1:
-                return self._graphs.run([a.pending[0] for a in group])
+                return self._graphs.run([a.pending[0] for a in group], self._fb)
             if keep:  # a verification step: captured per (bucket, exact width)
-                return self._graphs.run_columns([a.pending for a in group], keep), None
+                return self._graphs.run_columns([a.pending for a in group], keep, self._fb), None
         model = self.pool.model
         counts = [len(a.pending) for a in group]
         ids = torch.full((len(group), n_q), self.pool._pad_id, dtype=torch.long)
@@ -368,7 +449,11 @@ class AgentBatch:
         cache.begin([a.slot for a in group], counts, n_q)
         try:
             dev = self.pool.device
-            out = model(input_ids=ids.to(dev), position_ids=cache.positions().to(dev),
+            ids = ids.to(dev)
+            if any(_ON_DEVICE in a.pending for a in group):  # fed on the device by step_tokens_ahead
+                fb = self._fb[cache._group.sel]
+                ids = torch.where(ids < 0, fb[:, None], ids)
+            out = model(input_ids=ids, position_ids=cache.positions().to(dev),
                         attention_mask=_mask(len(group), n_q, dev), past_key_values=cache,
                         use_cache=True, logits_to_keep=max(1, keep))
         except BaseException:
@@ -390,6 +475,7 @@ class AgentBatch:
         self._closed = True
         self._agents.clear()
         self._slots.clear()
+        self._ahead.clear()
         graphs = self._graphs if self._graphs is self._own_graphs else None
         parked = None if self._failed else Parked(self.cache, graphs, self.backend, self.graphs, self.doc_id)
         self.cache = None
@@ -419,6 +505,49 @@ class AgentBatch:
     def _check_open(self) -> None:
         if self._closed:
             raise RuntimeError("this AgentBatch is closed")
+
+
+class PendingTokens:
+    """The ids one `AgentBatch.step_tokens_ahead` chose, on their way to the host: a pinned buffer
+    filled by a non-blocking copy, and the CUDA event recorded after it (None on CPU, where the copy
+    is done at once). `result()` waits for that event only — not for steps launched after it."""
+
+    def __init__(self, batch: AgentBatch, fed: list[tuple[_Agent, int]], host: torch.Tensor, event):
+        self._batch = batch
+        self._fed = fed  # (agent, index of its chosen token in tokens + pending)
+        self._host, self._event = host, event
+        self._out: dict[int, int] | None = None
+
+    @property
+    def agents(self) -> list[int]:
+        """The agents the step computed, in the order of its ids."""
+        return [a.aid for a, _ in self._fed]
+
+    def ready(self) -> bool:
+        """True when `result()` would not wait."""
+        return self._out is not None or self._event is None or self._event.query()
+
+    def result(self) -> dict[int, int]:
+        """{aid: chosen id} of the step (waits for its copy, once). Agents still in the batch have
+        the id written into their token lists in place of `_ON_DEVICE`."""
+        if self._out is None:
+            if self._event is not None:
+                self._event.synchronize()
+            ids = self._host.tolist()
+            live = self._batch._agents
+            out = {}
+            for (a, k), t in zip(self._fed, ids):
+                out[a.aid] = t
+                if live.get(a.aid) is a:
+                    j = k - len(a.tokens)
+                    if j < 0:
+                        a.tokens[k] = t
+                    elif j < len(a.pending) and a.pending[j] == _ON_DEVICE:
+                        a.pending[j] = t  # not taken by a step yet: an ordinary pending token now
+            self._out = out
+            if self in self._batch._ahead:
+                self._batch._ahead.remove(self)
+        return self._out
 
 
 @dataclass

@@ -7,6 +7,13 @@ static device inputs, and replayed: per step the host fills one pinned int64 [3,
 (tokens, write rows, positions), makes one host-to-device copy and one replay. Logits and the greedy
 choice are static outputs of the graph.
 
+Nothing in `_replay` waits for the device: the copy is non-blocking, from one of two pinned buffers
+used in turn (a CUDA event says when a buffer's last copy has been read, before it is refilled), so
+the host can prepare step t+1 while step t runs. A token not known on the host (`feedback`: the
+pipelined `AgentBatch.step_tokens_ahead` fed the previous step's chosen id on the device) is marked
+negative in the host buffer and copied on the device from the feedback row into the token column
+after the upload, before the replay (outside the graph: the row may be reallocated as slots grow).
+
 Verification steps of speculative decoding (`run_columns`: each agent feeds its pending token and
 its drafts, up to n_q columns, left-padded) are captured the same way per (bucket, n_q) with the
 exact n_q = widest agent's columns: a step costs what its widest agent needs, no power-of-two
@@ -31,7 +38,7 @@ graphs stay valid, and `reset` here restarts the per-batch counters.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -60,10 +67,30 @@ def bucket(n: int) -> int:
 class _Captured:
     graph: torch.cuda.CUDAGraph | None  # None: the static step runs eagerly (`capture=False`)
     fn: object  # the step itself
-    host: torch.Tensor  # pinned int64 [3, B, n_q]: tokens, flat write rows, position ids
-    inp: torch.Tensor  # device copy of `host`
+    hosts: list[torch.Tensor]  # two pinned int64 [3, B, n_q], used in turn: tokens, flat write
+    # rows, position ids
+    inp: torch.Tensor  # int64 [3, B, n_q] on the device: the last uploaded host buffer
     out: dict  # n_q = 1: "logits" float32 [B, vocab], "greedy" int64 [B]; n_q > 1: "logits"
     # float32 [B, n_q, vocab]. Written by each replay.
+    uploaded: list = field(default_factory=lambda: [None, None])  # CUDA event after each buffer's copy
+    turn: int = 0
+
+    def staging(self) -> torch.Tensor:
+        """The host buffer to fill next, once the device has read what it held last (a step ago,
+        so normally at once): filling it earlier would change a copy still queued."""
+        self.turn ^= 1
+        ev = self.uploaded[self.turn]
+        if ev is not None:
+            ev.synchronize()
+        return self.hosts[self.turn]
+
+    def upload(self, h: torch.Tensor) -> None:
+        """Non-blocking copy of host buffer `h` (from `staging`) into `inp`."""
+        self.inp.copy_(h, non_blocking=True)
+        if self.inp.device.type == "cuda":
+            ev = self.uploaded[self.turn] or torch.cuda.Event()
+            ev.record()
+            self.uploaded[self.turn] = ev
 
 
 class DecodeGraphs:
@@ -100,26 +127,28 @@ class DecodeGraphs:
         """(bucket, n_q) of every captured step, sorted."""
         return sorted(self._graphs)
 
-    def run(self, tokens: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
-        """One decode step of the agents in slots 0..len(tokens)-1, token tokens[g] for slot g.
-        Returns (logits float32 [n, vocab], greedy int64 [n]) — device views valid until the next
-        replay. Advances the cache's host lengths."""
-        out = self._replay([[t] for t in tokens], 1)
+    def run(self, tokens: list[int], feedback: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """One decode step of the agents in slots 0..len(tokens)-1, token tokens[g] for slot g
+        (negative: feedback[g], int64 on the device — an id the host has not read). Returns
+        (logits float32 [n, vocab], greedy int64 [n]) — device views valid until the next replay.
+        Advances the cache's host lengths."""
+        out = self._replay([[t] for t in tokens], 1, feedback)
         return out["logits"][: len(tokens)], out["greedy"][: len(tokens)]
 
-    def run_columns(self, columns: list[list[int]], keep: int) -> torch.Tensor:
+    def run_columns(self, columns: list[list[int]], keep: int, feedback: torch.Tensor | None = None) -> torch.Tensor:
         """One forward of the agents in slots 0..len(columns)-1, agent g feeding columns[g] (1 or
-        more tokens, its pending token and drafts), left-padded to n_q >= keep columns. Returns
+        more tokens, its pending token and drafts; a negative token: feedback[g], as in `run`),
+        left-padded to n_q >= keep columns. Returns
         float32 [n, keep, vocab] logits of the last `keep` columns (a device view valid until the
         next replay). Advances the cache's host lengths by each agent's token count."""
         width = max(len(c) for c in columns)
         if keep > width:
             raise ValueError(f"keep={keep} exceeds the widest agent ({width} tokens)")
         n_q = max(2, width)  # exact: a step costs its widest agent's columns, nothing rounded up
-        out = self._replay(columns, n_q)
+        out = self._replay(columns, n_q, feedback)
         return out["logits"][: len(columns), n_q - keep:]
 
-    def _replay(self, columns: list[list[int]], n_q: int) -> dict:
+    def _replay(self, columns: list[list[int]], n_q: int, feedback: torch.Tensor | None = None) -> dict:
         cache = self.cache
         n = len(columns)
         self._peak = max(self._peak, n)
@@ -151,7 +180,7 @@ class DecodeGraphs:
                 if (B, w) not in self._graphs:
                     self._capture(B, w)
         cap = self._graphs.get((B, n_q)) or self._capture(B, n_q)
-        h = cap.host
+        h = cap.staging()
         toks, rows, pos = [], [], []
         for slot, (b, col) in enumerate(zip(base, columns)):
             pad = n_q - len(col)
@@ -162,7 +191,16 @@ class DecodeGraphs:
             pos.append([max(0, cache.doc_len + new - n_q + j) for j in range(n_q)])
         h[:, :n] = torch.tensor([toks, rows, pos], dtype=torch.long)
         self._fill_padding(h, n, cache.scratch_row())
-        cap.inp.copy_(h)
+        cap.upload(h)
+        fed = sum(t < 0 for col in columns for t in col)  # ids only the device knows (feedback)
+        if fed:
+            if feedback is None:
+                raise ValueError("negative tokens need the feedback row")
+            ids = cap.inp[0, :n]
+            if fed == n and n_q == 1:  # every agent's token: one device copy
+                ids[:, 0].copy_(feedback[:n])
+            else:
+                ids.copy_(torch.where(ids < 0, feedback[:n, None], ids))
         if cap.graph is not None:
             cap.graph.replay()
         else:
@@ -177,9 +215,10 @@ class DecodeGraphs:
 
     def _capture(self, B: int, n_q: int) -> _Captured:
         cache, dev = self.cache, self.cache.device
-        host = torch.empty(3, B, n_q, dtype=torch.long, pin_memory=dev.type == "cuda")
-        self._fill_padding(host, 0, cache.scratch_row())  # warm-up writes go to scratch
-        inp = host.to(dev)
+        hosts = [torch.empty(3, B, n_q, dtype=torch.long, pin_memory=dev.type == "cuda") for _ in range(2)]
+        for host in hosts:
+            self._fill_padding(host, 0, cache.scratch_row())  # warm-up writes go to scratch
+        inp = hosts[0].to(dev, copy=True)  # never the host buffer itself (CPU)
         mask = dummy_mask(B, n_q, dev)
         out: dict[str, torch.Tensor] = {}
 
@@ -209,7 +248,7 @@ class DecodeGraphs:
             graph = capture_graph(step, self._mempool, self.warmup)
         else:
             step()  # allocates the outputs the later calls overwrite
-        cap = _Captured(graph, step, host, inp, out)
+        cap = _Captured(graph, step, hosts, inp, out)
         self._graphs[(B, n_q)] = cap
         self.captures += 1
         self.total_captures += 1

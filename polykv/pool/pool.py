@@ -649,13 +649,15 @@ class SharedKVPool:
 
     def generate(self, doc: str, prompts, max_new_tokens: int = 64, temperature: float = 0.0,
                  top_p: float = 1.0, top_k: int = 0, seed: int | None = None, stop=None,
-                 chat_template: bool = True, speculative=None) -> list[str]:
+                 chat_template: bool = True, speculative=None, pipelined: bool = True) -> list[str]:
         """Answer every prompt as one agent over `doc`; all agents run in one batched forward per
         step. prompts: a list of texts, conversations or suffix id lists (see `prompt_ids`). Greedy when
         temperature == 0. Generation stops at `polykv.generation.stop_token_ids`, at any `stop` string (cut
         before it) or after max_new_tokens. Sampling (temperature > 0): agent i of the call draws
         from its own stream seeded `seed + i` (a random seed when None), independent of the other
-        agents. Returns the decoded answers (special tokens skipped)."""
+        agents. pipelined (without `speculative`): step t+1 is launched before step t's ids are read
+        (`AgentBatch.step_tokens_ahead`; the same tokens as pipelined=False, which waits for every
+        step's ids before the next). Returns the decoded answers (special tokens skipped)."""
         from ..generation import find_stop, is_greedy, stop_token_ids
         from ..spec import SpecConfig, Speculator
 
@@ -695,8 +697,11 @@ class SharedKVPool:
                     spec.add(a, s, spec_cfg)
             outs = {a: [] for a in aids}
             live = set(aids) if max_new_tokens > 0 else set()
-            drafted: dict[int, int] = {}
             step_s: list[tuple[int, float]] = []  # (widest draft count, seconds) per step
+            if pipelined and spec is None and live:  # empties `live`: the loop below is the synchronous one
+                steps = self._decode_pipelined(batch, outs, live, max_new_tokens, eos, stops, times, step_s)
+                peak = batch.peak_bytes
+            drafted: dict[int, int] = {}
             while live:
                 n_step, captured = len(live), batch.graph_captures
                 t_step = time.perf_counter()
@@ -764,6 +769,57 @@ class SharedKVPool:
             self.last_generate["speculative"] = dict(spec.stats(), method=spec_cfg.method,
                                                      num_draft_tokens=spec_cfg.num_draft_tokens)
         return texts
+
+    def _decode_pipelined(self, batch, outs: dict, live: set, max_new_tokens: int, eos, stops: list,
+                          times, step_s: list) -> int:
+        """`generate`'s loop without speculation, one step ahead (`AgentBatch.step_tokens_ahead`):
+        step t+1 is launched with step t's ids fed on the device, then step t's ids are read and the
+        synchronous loop's rules applied (an eos id ends an agent and is not kept; max_new_tokens;
+        stop strings). An agent that stops on a token of step t (eos, stop string) is already in
+        step t+1: it is removed after that launch and its token of step t+1 never read (one wasted
+        row per such agent). One whose token in flight is its last by count leaves before the
+        launch (nothing wasted). Fills `outs`, empties `live`, appends to `step_s` the seconds
+        between consecutive reads (once the loop runs ahead: a step's period; the first entry also
+        holds the launch of step 1) and feeds `times` the periods of decode steps whose launch, and
+        the launch made while waiting for them, captured nothing. Returns the steps launched."""
+        from ..generation import find_stop
+
+        t_read = time.perf_counter()
+        before = batch.graph_captures
+        ahead = batch.step_tokens_ahead()  # the prompts' prefill; its ids feed step 1 on the device
+        captured = [batch.graph_captures != before]  # per launched step
+        while ahead is not None:
+            for a in [a for a in batch.agents() if len(outs[a]) + 1 >= max_new_tokens]:
+                batch.remove(a)  # its token in flight is its last
+            nxt = None
+            if len(batch):
+                before = batch.graph_captures
+                nxt = batch.step_tokens_ahead()  # step t+1, launched before step t is read
+                captured.append(batch.graph_captures != before)
+            chosen = ahead.result()
+            now = time.perf_counter()
+            step_s.append((0, now - t_read))
+            t_read = now
+            i = len(step_s) - 1  # the step just read; 0 prefilled the prompts
+            if i > 0 and not captured[i] and not (nxt is not None and captured[i + 1]):
+                times.observe(len(chosen), 0, step_s[-1][1])
+            for a in ahead.agents:
+                if a not in live:
+                    continue  # stopped a step ago: this token is the wasted one
+                t = chosen[a]
+                if t in eos:
+                    done = True
+                else:
+                    outs[a].append(t)
+                    done = len(outs[a]) >= max_new_tokens or bool(
+                        stops and find_stop(self.tok.decode(outs[a], skip_special_tokens=True), stops) >= 0)
+                if done:
+                    live.discard(a)
+                    if a in batch:
+                        batch.remove(a)  # fed into nxt already; its rows go with the slot
+            self.peak_agent_bytes = max(self.peak_agent_bytes, batch.nbytes())
+            ahead = nxt
+        return len(captured)
 
     # --- memory ------------------------------------------------------------------------------
     def memory_report(self) -> dict:
