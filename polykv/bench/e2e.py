@@ -13,6 +13,10 @@ step time does not depend on trained weights. `tiny=True` is a toy of the same f
 Scenarios (each polykv figure beside its baseline, same model, same run):
 * pool_decode    N agents over ONE ctx-token document, each with a private suffix (64 tokens).
                  polykv: SharedKVPool, one AgentBatch; a step = `feed` + `step_tokens` (greedy).
+                 ms_polykv_pipelined: the same steps pipelined as `pool.generate` runs them
+                 (`step_tokens_ahead`: step t+1 launched with step t's ids fed on the device, step
+                 t's ids read after), in a second batch of the same run over the same captured
+                 steps; `pipelined_identical`: both loops chose the same tokens at every step.
                  baseline: the document prefilled once into a DynamicCache (chunked), then
                  `copy.deepcopy(doc_cache).batch_repeat_interleave(N)` (transformers' own batch
                  expansion: N dense copies), the N suffixes in one batched forward, then batched
@@ -32,8 +36,11 @@ guarded: an exception (OOM included) lands in row["errors"] and in the top-level
 Timing: a few untimed warm-up steps, then the median of `steps` steps; each step is timed with
 torch.cuda.synchronize() + time.perf_counter() around the whole step, host work included (Python,
 launches, the one device-to-host copy of the chosen tokens a generation loop needs): that host work
-is what DESIGN §8 is about. `*_gpu` fields: CUDA-event time of the same span. Every decode loop
-(polykv and baselines) chooses greedy tokens on the device and copies them to the host once a step.
+is what DESIGN §8 is about. `*_gpu` fields: CUDA-event time of the same span. A pipelined loop is
+not synchronised between steps (that would undo the overlap): `Clock.loop` takes the median interval
+between the ends of consecutive steps, and the mean over the whole timed run (`*_mean`). Every
+decode loop (polykv and baselines) chooses greedy tokens on the device and copies them to the host
+once a step.
 torch's cuDNN SDPA is switched off (torch 2.11 picks it for decode shapes and rebuilds its plan every
 step, DESIGN §8), so the baselines run SDPA's flash / memory-efficient kernels.
 """
@@ -146,6 +153,21 @@ class Clock:
         return dict(ms=statistics.median(walls), ms_gpu=statistics.median(gpus) if self.cuda else None,
                     ms_min=min(walls), ms_max=max(walls), steps=len(walls))
 
+    def loop(self, step: Callable[[], None], warmup: int, steps: int) -> dict:
+        """`warmup` untimed calls, then `steps` calls back to back, not synchronised in between (a
+        pipelined step returns while the device still runs the next one): {ms (median interval
+        between the ends of consecutive calls, the first measured from the end of the warm-up),
+        ms_mean (the timed run / steps), ms_min, ms_max, steps}."""
+        for _ in range(warmup):
+            step()
+        ends = [time.perf_counter()]
+        for _ in range(max(1, steps)):
+            step()
+            ends.append(time.perf_counter())
+        gaps = [(b - a) * 1e3 for a, b in zip(ends, ends[1:])]
+        return dict(ms=statistics.median(gaps), ms_mean=(ends[-1] - ends[0]) * 1e3 / len(gaps),
+                    ms_min=min(gaps), ms_max=max(gaps), steps=len(gaps))
+
     def start(self) -> int:
         """Reset the peak counter; returns bytes allocated now (0 on CPU)."""
         if not self.cuda:
@@ -233,9 +255,11 @@ def baseline_need_bytes(n: int, single: int, layers: int, gqa: int) -> int:
 
 
 def _pool_polykv(clock: Clock, pool, doc: str, suffixes: list[list[int]], warmup: int, steps: int,
-                 trace: list | None = None) -> dict:
-    """One AgentBatch of len(suffixes) agents: suffix prefill, then timed feed + step_tokens steps.
-    `trace` receives every step's tokens (lists in agent order, the suffix prefill's first)."""
+                 trace: list | None = None, trace_pipelined: list | None = None, pipelined: bool = True) -> dict:
+    """One AgentBatch of len(suffixes) agents: suffix prefill, then timed feed + step_tokens steps;
+    then (pipelined) `_pool_polykv_pipelined` in a second batch over the same document (it takes
+    over this batch's storage and captured steps: the same graphs, no capture). `trace` /
+    `trace_pipelined` receive every step's tokens (lists in agent order, the suffix prefill's first)."""
     use_attention(pool.model, "polykv")
     base = clock.start()
     seq_cap = len(suffixes[0]) + warmup + steps + 16
@@ -254,11 +278,43 @@ def _pool_polykv(clock: Clock, pool, doc: str, suffixes: list[list[int]], warmup
 
         t = clock.steps(step, warmup, steps)
         mem = pool.memory_report()
-    return dict(ms_polykv=t["ms"], ms_polykv_gpu=t["ms_gpu"], ms_polykv_min=t["ms_min"],
-                ms_polykv_max=t["ms_max"], ms_polykv_suffix_prefill=ms_prefill, polykv_step=path,
-                kv_bytes_polykv=mem["kv_bytes_shared"] + mem["kv_bytes_agents"],
-                kv_bytes_polykv_shared=mem["kv_bytes_shared"], kv_bytes_polykv_agents=mem["kv_bytes_agents"],
-                **_peak_fields(clock, "polykv", base))
+    row = dict(ms_polykv=t["ms"], ms_polykv_gpu=t["ms_gpu"], ms_polykv_min=t["ms_min"],
+               ms_polykv_max=t["ms_max"], ms_polykv_suffix_prefill=ms_prefill, polykv_step=path,
+               kv_bytes_polykv=mem["kv_bytes_shared"] + mem["kv_bytes_agents"],
+               kv_bytes_polykv_shared=mem["kv_bytes_shared"], kv_bytes_polykv_agents=mem["kv_bytes_agents"],
+               **_peak_fields(clock, "polykv", base))
+    if pipelined:
+        row.update(_pool_polykv_pipelined(clock, pool, doc, suffixes, warmup, steps, seq_cap, trace_pipelined))
+    return row
+
+
+def _pool_polykv_pipelined(clock: Clock, pool, doc: str, suffixes: list[list[int]], warmup: int, steps: int,
+                           seq_cap: int, trace: list | None = None) -> dict:
+    """The decode steps of `_pool_polykv`, pipelined (`AgentBatch.step_tokens_ahead`, as
+    `pool.generate` runs them): a step launches step t+1 — its tokens fed on the device from step
+    t's ids — then reads step t's ids (a non-blocking copy and an event). Timed by `Clock.loop`
+    (no synchronisation between steps). The reads trail the launches by one: the first warm-up call
+    reads the suffix prefill, and the step launched by the last call is read after the timing
+    (its tokens are past the trace). `trace`: as in `_pool_polykv` (the same steps' tokens)."""
+    with pool.open_batch(doc, capacity=len(suffixes), seq_capacity=seq_cap) as batch:
+        if not hasattr(batch, "step_tokens_ahead"):
+            return dict(ms_polykv_pipelined=None, pipelined_error="AgentBatch has no step_tokens_ahead")
+        aids = [batch.add(s) for s in suffixes]
+        state = {"ahead": batch.step_tokens_ahead()}  # the suffix prefill
+
+        def step():
+            nxt = batch.step_tokens_ahead()
+            toks = state["ahead"].result()
+            state["ahead"] = nxt
+            if trace is not None:
+                trace.append([toks[a] for a in aids])
+
+        t = clock.loop(step, warmup + 1, steps)
+        state["ahead"].result()
+        captures = batch.graph_captures
+    return dict(ms_polykv_pipelined=t["ms"], ms_polykv_pipelined_mean=t["ms_mean"],
+                ms_polykv_pipelined_min=t["ms_min"], ms_polykv_pipelined_max=t["ms_max"],
+                polykv_pipelined_captures=captures)
 
 
 @torch.no_grad()
@@ -297,7 +353,7 @@ def _pool_baseline(clock: Clock, model, doc_cache, ctx: int, sfx: torch.Tensor, 
 
 @torch.no_grad()
 def run_pool_decode(model, clock: Clock, *, agents, ctx: int, suffix_tokens: int, k: str, v: str,
-                    warmup: int, steps: int, chunk: int, log) -> list[Row]:
+                    warmup: int, steps: int, chunk: int, log, compile: bool = False) -> list[Row]:
     """Scenario a (see module doc): one row per agent count."""
     from polykv.pool import SharedKVPool
 
@@ -324,8 +380,12 @@ def run_pool_decode(model, clock: Clock, *, agents, ctx: int, suffix_tokens: int
                         baseline=f"copy.deepcopy(DynamicCache).batch_repeat_interleave({n}), sdpa",
                         kv_bytes_baseline_single_copy=single)
         log(f"pool_decode: {n} agents, polykv")
-        _guard(row, "polykv", lambda: row.update(_pool_polykv(clock, pool, doc, sfx[:n].tolist(), warmup, steps)),
-               clock)
+        sync, piped = [], []
+        _guard(row, "polykv", lambda: row.update(_pool_polykv(clock, pool, doc, sfx[:n].tolist(), warmup, steps,
+                                                             trace=sync, trace_pipelined=piped)), clock)
+        if row.get("ms_polykv_pipelined") is not None:
+            row["pipelined_identical"] = piped == sync
+            row["pipelined_gain"] = row["ms_polykv"] / row["ms_polykv_pipelined"]
         free = clock.free_bytes()
         need = baseline_need_bytes(n, single, cfg.num_hidden_layers, gqa)
         if free is not None and need > free:
@@ -337,10 +397,13 @@ def run_pool_decode(model, clock: Clock, *, agents, ctx: int, suffix_tokens: int
             _guard(row, "baseline", lambda: row.update(
                 _pool_baseline(clock, model, doc_cache, ctx, sfx[:n].to(dev), warmup, steps)), clock)
         _speedup(row, "ms_baseline", "speedup")
+        _speedup(row, "ms_baseline", "speedup_pipelined", "ms_polykv_pipelined")
         rows.append(row)
         clock.free()
     if compile:  # polykv again with the model's norms and MLPs compiled (opt-in mode), same doc
         from polykv.hf.graphs import compiled_pointwise
+
+        pool.close()  # the parked batch holds steps captured uncompiled: compiled ones capture anew
 
         with compiled_pointwise(model):
             for row in rows:
@@ -350,9 +413,11 @@ def run_pool_decode(model, clock: Clock, *, agents, ctx: int, suffix_tokens: int
                 _guard(row, "polykv_compiled", lambda: res.update(
                     _pool_polykv(clock, pool, doc, sfx[:n].tolist(), warmup, steps)), clock)
                 if res:
-                    row.update(ms_polykv_compiled=res["ms_polykv"], ms_polykv_compiled_gpu=res["ms_polykv_gpu"])
+                    row.update(ms_polykv_compiled=res["ms_polykv"], ms_polykv_compiled_gpu=res["ms_polykv_gpu"],
+                               ms_polykv_compiled_pipelined=res.get("ms_polykv_pipelined"))
                     _speedup(row, "ms_baseline", "speedup_compiled", "ms_polykv_compiled")
                 clock.free()
+            pool.close()  # nothing compiled outlives the block
     del doc_cache, pool
     return rows
 
@@ -656,7 +721,7 @@ def bench_e2e(agents=DEFAULTS["agents"], ctx: int = DEFAULTS["ctx"], layers: int
     runs = dict(
         pool_decode=lambda: run_pool_decode(model_for(layers), clock, agents=list(agents), ctx=ctx,
                                             suffix_tokens=suffix_tokens, k=k, v=v, warmup=warmup, steps=steps,
-                                            chunk=chunk, log=log),
+                                            chunk=chunk, log=log, compile=compile),
         prefill=lambda: run_prefill(model_for(layers), clock, ctx=ctx, k=k, v=v, chunk=chunk, log=log),
         kvcache_decode=lambda: run_kvcache_decode(model_for(kv_layers), clock, batches=list(kv_batches), ctx=kv_ctx,
                                                   k=k, v=v, warmup=warmup, steps=steps, chunk=chunk,
@@ -726,6 +791,7 @@ def plot_e2e(result: dict, path) -> None:
 
 def _plot_pool(ax, rows: list[Row], config: dict) -> None:
     for key, label, style in (("ms_polykv", f"polykv pool ({config['k']}/{config['v']})", "o-"),
+                              ("ms_polykv_pipelined", "polykv pool, pipelined (step_tokens_ahead)", "o:"),
                               ("ms_baseline", "transformers: N DynamicCache copies, batched", "s--")):
         pts = [(r["agents"], r[key]) for r in rows if r.get(key)]
         if pts:
@@ -759,8 +825,8 @@ def _plot_kvcache(ax, rows: list[Row], config: dict) -> None:
     ax.legend(fontsize=8)
 
 
-TABLE_COLUMNS = ["scenario", "agents", "layers", "ctx", "ms_polykv", "ms_baseline", "speedup", "ms_static_compile",
-                 "speedup_vs_static_compile"]
+TABLE_COLUMNS = ["scenario", "agents", "layers", "ctx", "ms_polykv", "ms_polykv_pipelined", "ms_baseline", "speedup",
+                 "ms_static_compile", "speedup_vs_static_compile"]
 
 
 def format_e2e(result: dict) -> str:

@@ -38,6 +38,10 @@ def test_contract_rows(tiny_run):
         assert r["kv_bytes_polykv"] > 0 and r["kv_bytes_baseline"] > 0, r
     # the dense baseline holds one f16 copy per agent; polykv one compressed document
     pool = {r["agents"]: r for r in rows if r["scenario"] == "pool_decode"}
+    for r in pool.values():  # the pipelined loop beside the synchronous one, the same tokens
+        assert r["ms_polykv_pipelined"] > 0 and r["pipelined_identical"] is True, r
+        assert r["speedup_pipelined"] == pytest.approx(r["ms_baseline"] / r["ms_polykv_pipelined"])
+        assert "ms_polykv_compiled" not in r  # compile is off on the CPU (--compile's default)
     assert pool[2]["kv_bytes_baseline"] > pool[1]["kv_bytes_baseline"] + pool[1]["kv_bytes_baseline_single_copy"] // 2
     assert pool[2]["kv_bytes_polykv_shared"] == pool[1]["kv_bytes_polykv_shared"]
     kv = [r for r in rows if r["scenario"] == "kvcache_decode"]
@@ -147,6 +151,49 @@ def test_baseline_and_pool_decode_the_same_tokens(tiny_model):
     _pool_polykv(clock, pool, doc, sfx.tolist(), 1, 3, trace=ours)
     assert len(base) == len(ours) == 5 and base == ours
     assert len({t for step in base for t in step}) > 5  # tokens that depend on the context
+
+
+@pytest.mark.parametrize("static", [False, True], ids=["eager", "static"])
+def test_pipelined_pool_decode_the_same_tokens(tiny_model, monkeypatch, static):
+    """The pipelined loop (`_pool_polykv_pipelined`: step t+1 launched with step t's ids fed on the
+    device, step t read after) traces the synchronous loop's tokens at every step, the suffix
+    prefill's included — eagerly, and through the static decode step a CUDA graph captures
+    (`capture=False`), which the pipelined batch takes over from the synchronous one (no capture)."""
+    import functools
+
+    from polykv.bench.e2e import Clock, _pool_polykv
+    from polykv.pool import SharedKVPool, decode_graph
+
+    if static:
+        monkeypatch.setattr(decode_graph, "graphs_supported", lambda cache: True)
+        monkeypatch.setattr(decode_graph, "DecodeGraphs", functools.partial(decode_graph.DecodeGraphs, capture=False))
+    clock = Clock(torch.device("cpu"))
+    doc_ids, sfx = _doc_and_suffixes(3)
+    pool = SharedKVPool(tiny_model, None, progress=False, prefill_chunk=16)
+    doc = pool.add_document(doc_ids.tolist())
+    sync, piped = [], []
+    row = _pool_polykv(clock, pool, doc, sfx.tolist(), 2, 4, trace=sync, trace_pipelined=piped)
+    assert len(sync) == 7 and piped == sync
+    assert len({t for step in sync for t in step}) > 5
+    assert row["ms_polykv_pipelined"] > 0 and row["ms_polykv_pipelined_mean"] > 0
+    assert row["polykv_pipelined_captures"] == 0
+
+
+def test_clock_loop_times_intervals():
+    """Clock.loop: the median gap between the ends of consecutive timed calls (warm-up untimed)."""
+    import time as _time
+
+    from polykv.bench.e2e import Clock
+
+    calls = []
+
+    def step():
+        calls.append(1)
+        _time.sleep(0.02 if len(calls) <= 2 else 0.005)
+
+    t = Clock(torch.device("cpu")).loop(step, 2, 5)
+    assert len(calls) == 7 and t["steps"] == 5
+    assert 4 <= t["ms"] < 15 and t["ms_min"] <= t["ms"] <= t["ms_max"] and t["ms_mean"] < 15
 
 
 def test_use_attention_switches_back_for_the_pool(tiny_model):
