@@ -287,7 +287,10 @@ class AgentBatch:
             for a in group:
                 fed.append((a, len(a.tokens) + len(a.pending)))  # where the token lands in its stream
                 a.pending.append(_ON_DEVICE)
-        ids = torch.cat([ids for _, ids in chosen]) if len(chosen) != 1 else chosen[0][1]
+        if not chosen:  # no agent had a pending token
+            ids = self._fb[:0]
+        else:
+            ids = torch.cat([ids for _, ids in chosen]) if len(chosen) > 1 else chosen[0][1]
         event = None
         if ids.device.type == "cuda":
             host = torch.empty(ids.shape, dtype=ids.dtype, pin_memory=True)

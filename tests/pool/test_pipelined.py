@@ -213,3 +213,6 @@ def test_pending_tokens_ready_and_read_once(tiny):
         assert b._agents[a].pending == [second.result()[a]] and b._ahead == []
         with pytest.raises(ValueError, match="not negative"):
             b.feed({a: -1})
+        b.step_tokens()  # takes the pending token, feeds nothing
+        idle = b.step_tokens_ahead()  # no agent has a pending token: an empty step
+        assert idle.result() == {} and idle.agents == [] and b._agents[a].pending == []
