@@ -216,3 +216,87 @@ def test_pending_tokens_ready_and_read_once(tiny):
         b.step_tokens()  # takes the pending token, feeds nothing
         idle = b.step_tokens_ahead()  # no agent has a pending token: an empty step
         assert idle.result() == {} and idle.agents == [] and b._agents[a].pending == []
+
+
+def _launches_then_reads(pool, doc, prompts, steps, guard):
+    """(synchronous tokens, pipelined tokens) of `steps` decode steps after the prompts' prefill:
+    first a batch of step_tokens + feed (it captures the steps on CUDA and parks them), then one of
+    step_tokens_ahead whose launches from step 2 on run inside `guard()` (the reads outside)."""
+    with pool.open_batch(doc, capacity=8, seq_capacity=64) as b:
+        aids = [b.add(p) for p in prompts]
+        want = [b.step_tokens()]
+        for _ in range(steps):
+            b.feed(want[-1])
+            want.append(b.step_tokens())
+    with pool.open_batch(doc, capacity=8, seq_capacity=64) as b:
+        assert [b.add(p) for p in prompts] == aids
+        ahead = b.step_tokens_ahead()
+        got = []
+        for k in range(steps):
+            if k == 0:  # step 1 refreshes the page table the prefill changed (a blocking copy)
+                nxt = b.step_tokens_ahead()
+            else:
+                with guard():
+                    nxt = b.step_tokens_ahead()
+            got.append(ahead.result())
+            ahead = nxt
+        got.append(ahead.result())
+        captures = b.graph_captures
+    return want, got, captures
+
+
+def test_launch_then_read_on_cpu(tiny, path):
+    """The loop of the GPU test below, on CPU (no guard): the same tokens."""
+    import contextlib
+
+    pool, doc = _pool(tiny)
+    want, got, captures = _launches_then_reads(pool, doc, PROMPTS, 6, contextlib.nullcontext)
+    assert got == want and captures == 0
+
+
+@pytest.mark.gpu
+def test_pipelined_launch_never_synchronises():
+    """On CUDA, a pipelined launch (a replayed captured step: upload from a pinned buffer, feedback
+    copy, replay, id copy to pinned memory, event) makes no synchronising call — torch's sync debug
+    mode raises on one (a blocking copy, a stream synchronisation, .item()) — and the pipelined loop
+    chooses the synchronous loop's tokens, replaying the steps it captured."""
+    import contextlib
+
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    @contextlib.contextmanager
+    def no_sync():
+        torch.cuda.set_sync_debug_mode("error")
+        try:
+            yield
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+
+    torch.manual_seed(0)
+    cfg = LlamaConfig(vocab_size=256, hidden_size=128, intermediate_size=256, num_hidden_layers=2,
+                      num_attention_heads=2, num_key_value_heads=1, head_dim=64, max_position_embeddings=2048)
+    model = LlamaForCausalLM(cfg).to("cuda", torch.bfloat16).eval()
+    pool = SharedKVPool(model, None, k="q8_0", v="turbo3", progress=False)
+    doc = pool.add_document(list(range(3, 250)) * 4)
+    want, got, captures = _launches_then_reads(pool, doc, PROMPTS, 8, no_sync)
+    assert got == want and captures == 0
+
+
+def test_replay_fills_the_pinned_buffers_in_turn(tiny):
+    """A replay uploads without waiting, so the next one must not refill the buffer that copy may
+    still read: consecutive replays of a step fill its two host buffers in turn (each keeps the
+    tokens and positions it was filled with until the replay after next)."""
+    pool, doc = _pool(tiny)
+    with pool.open_batch(doc, capacity=2, seq_capacity=16) as b:
+        b._graphs = DecodeGraphs(pool.model, b.cache, pool._pad_id, capture=False)
+        aids = [b.add([5, 6]), b.add([7])]
+        b.step_tokens()
+        cap = None
+        for t in (40, 41):
+            b.feed({a: t for a in aids})
+            b.step_tokens()
+            cap = cap or b._graphs._graphs[(2, 1)]
+        tokens = sorted(h[0, :, 0].tolist() for h in cap.hosts)
+        positions = sorted(h[2, :, 0].tolist() for h in cap.hosts)
+        assert tokens == [[40, 40], [41, 41]]
+        assert positions == [[len(DOC) + 2, len(DOC) + 1], [len(DOC) + 3, len(DOC) + 2]]
