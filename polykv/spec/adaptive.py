@@ -44,9 +44,9 @@ def expected_tokens(a: float, k: int) -> float:
 
 
 class AdaptiveLength:
-    def __init__(self, k_max: int, cost_per_draft: float = 0.1, decay: float = 0.9, probe: int = 8,
+    def __init__(self, k_max: int, cost_per_draft: "float | StepCost" = 0.1, decay: float = 0.9, probe: int = 8,
                  max_probe: int = 64, probe_k: int = 2, fixed: bool = False):
-        self.k_max, self.cost, self.decay = int(k_max), float(cost_per_draft), float(decay)
+        self.k_max, self.cost, self.decay = int(k_max), cost_per_draft, float(decay)
         self.probe0, self.max_probe, self.probe_k, self.fixed = int(probe), int(max_probe), int(probe_k), fixed
         self.acc = 1.0  # decayed accepted drafts (+ prior)
         self.rej = 1.0  # decayed rejections (+ prior)
@@ -55,14 +55,27 @@ class AdaptiveLength:
         self.planned = False  # its width comes from a WidthPlanner: `update` keeps the acceptance only
 
     @property
+    def cost(self) -> float:
+        """c: a number, or the current fit of a `StepCost` given as cost_per_draft (read when needed:
+        a batch's agents no longer copy the fit after every step)."""
+        return self._cost if self._cost_src is None else self._cost_src.cost_per_draft
+
+    @cost.setter
+    def cost(self, value) -> None:
+        if isinstance(value, StepCost):
+            self._cost_src, self._cost = value, None
+        else:
+            self._cost_src, self._cost = None, float(value)
+
+    @property
     def acceptance(self) -> float:
         return self.acc / (self.acc + self.rej)
 
     def best_k(self) -> int:
-        a = self.acceptance
+        a, cost = self.acceptance, self.cost
         best, score = 0, 1.0
         for k in range(1, self.k_max + 1):
-            s = expected_tokens(a, k) / (1.0 + self.cost * k)
+            s = expected_tokens(a, k) / (1.0 + cost * k)
             if s > score * 1.0001:
                 best, score = k, s
         return best
@@ -112,12 +125,20 @@ class StepCost:
     def __init__(self, prior: float, window: int = 24):
         self.prior = float(prior)
         self.obs: deque = deque(maxlen=int(window))
+        self._fit: float | None = None  # cost_per_draft of the current obs
 
     def observe(self, width: int, seconds: float) -> None:
         self.obs.append((int(width), float(seconds)))
+        self._fit = None
 
     @property
     def cost_per_draft(self) -> float:
+        """The fit of the current observations (computed once per observation, when read)."""
+        if self._fit is None:
+            self._fit = self._cost_per_draft()
+        return self._fit
+
+    def _cost_per_draft(self) -> float:
         if len(self.obs) < 4:
             return self.prior
         med = statistics.median(t for _, t in self.obs)
@@ -152,27 +173,35 @@ class StepTimes:
     def __init__(self, window: int = 16):
         self.window = int(window)
         self._obs: dict[tuple[int, int], deque] = {}
+        self._seen: dict[int, dict[int, float]] = {}  # bucket -> seen(), until its next observation
         self._lock = threading.Lock()
 
     def observe(self, agents: int, width: int, seconds: float) -> None:
         key = (agent_bucket(agents), int(width))
         with self._lock:
             self._obs.setdefault(key, deque(maxlen=self.window)).append(float(seconds))
+            self._seen.pop(key[0], None)
 
-    def estimate(self, agents: int, width: int) -> float | None:
-        """Seconds of one step of `width` for `agents` agents, or None when never measured."""
-        with self._lock:
-            xs = list(self._obs.get((agent_bucket(agents), int(width)), ()))
+    def _estimate(self, key) -> float | None:
+        xs = self._obs.get(key)
         if not xs:
             return None
         return statistics.median(xs) if len(xs) >= 3 else min(xs)
 
+    def estimate(self, agents: int, width: int) -> float | None:
+        """Seconds of one step of `width` for `agents` agents, or None when never measured."""
+        with self._lock:
+            return self._estimate((agent_bucket(agents), int(width)))
+
     def seen(self, agents: int) -> dict[int, float]:
-        """{width: estimate} of every width measured for this agent bucket."""
+        """{width: estimate} of every width measured for this agent bucket (kept until the bucket's
+        next observation: the planner asks for it twice per step)."""
         b = agent_bucket(agents)
         with self._lock:
-            widths = sorted(w for bb, w in self._obs if bb == b)
-        return {w: self.estimate(agents, w) for w in widths}
+            got = self._seen.get(b)
+            if got is None:
+                got = self._seen[b] = {w: self._estimate((b, w)) for w in sorted(w for bb, w in self._obs if bb == b)}
+            return dict(got)
 
     def buckets(self) -> list[int]:
         with self._lock:
@@ -256,8 +285,21 @@ class WidthPlanner:
         n = max(len(agents), int(n_agents) if n_agents is not None else len(agents))
         costs = self.step_costs(n)
         others = n - len(agents)
-        scores = [(others + sum(expected_tokens(a, min(k, w)) for a, k in agents)) / max(costs[w], 1e-12)
-                  for w in range(self.k_max + 1)]
+        top = self.k_max
+        sums = [0] * (top + 1)  # sums[w] = sum(expected_tokens(a, min(k, w)) for a, k in agents), same order
+        for a, k in agents:  # each agent's row once (k pow calls, not k_max + 1 calls of expected_tokens)
+            m = min(k, top)
+            if a >= 1.0:
+                row = [float(j + 1) for j in range(m + 1)]
+            else:
+                d = 1.0 - a
+                row = [1.0] + [(1.0 - a ** (j + 1)) / d for j in range(1, m + 1)]  # expected_tokens(a, j)
+            for w in range(m + 1):
+                sums[w] += row[w]
+            last = row[m]
+            for w in range(m + 1, top + 1):
+                sums[w] += last
+        scores = [(others + sums[w]) / max(costs[w], 1e-12) for w in range(top + 1)]
         w = 0
         for j in range(1, self.k_max + 1):
             if scores[j] > scores[w] * 1.0001:

@@ -99,7 +99,6 @@ class Speculator:
         self.times = times if times is not None else StepTimes()  # per (agents, width): `propose_all`
         self.planner: WidthPlanner | None = None  # created by the first adaptive agent
         self.widths: Counter = Counter()  # widths `propose_all` chose, per step
-        self._measured: set = set()
         self.steps = self.drafted = self.accepted = self.tokens = self.agent_steps = 0
 
     def add(self, key, prompt_ids: list[int], config: SpecConfig) -> None:
@@ -112,10 +111,9 @@ class Speculator:
             dm = config.draft_model
             drafter = dm if isinstance(dm, DraftModel) else DraftModel(dm, list(self.index.ids) if self.index else [])
         cost = config.cost_per_draft
+        # cost None: the StepCost itself, so the agent follows `observe_step` (read when needed)
         length = AdaptiveLength(config.num_draft_tokens, fixed=not config.adaptive,
-                                cost_per_draft=self.step_cost.cost_per_draft if cost is None else cost)
-        if cost is None:
-            self._measured.add(key)  # follows `observe_step`
+                                cost_per_draft=self.step_cost if cost is None else cost)
         if config.adaptive:
             if self.planner is None:
                 self.planner = WidthPlanner(config.num_draft_tokens, self.times, self.prior, cost)
@@ -144,9 +142,15 @@ class Speculator:
     def _draft(self, st: _AgentSpec, k: int) -> list[int]:
         if k <= 0:
             return []
-        if isinstance(st.drafter, DraftModel):
-            return st.drafter.propose(st.context, k, key=st.key)[:k]
-        return st.drafter.propose(st.context, k)[:k]
+        drafter = st.drafter
+        kind = type(drafter)
+        if kind is PromptLookup:
+            return drafter.propose(st.context, k)  # never more than k
+        if kind is SuffixTreeDrafter and drafter.tree is self.tree and self.tree is not None:
+            return drafter.propose(st.context, k, st.handle)[:k]  # the handle holds the context's tail nodes
+        if isinstance(drafter, DraftModel):
+            return drafter.propose(st.context, k, key=st.key)[:k]
+        return drafter.propose(st.context, k)[:k]
 
     def propose_all(self, limits: dict, agents: int | None = None) -> dict:
         """Drafts for the next step of every agent in `limits` ({key: at most this many drafts},
@@ -156,21 +160,28 @@ class Speculator:
         all; agents of a fixed length keep theirs). agents: every agent of the step (default: the
         keys), those without drafts emit one token each. Returns {key: drafts} (maybe empty)."""
         out = {}
+        adaptive, wants, fixed_w = [], [], 0  # one pass over the agents: drafts, then what the planner needs
+        get, draft = self._agents.get, self._draft
         for key, limit in limits.items():
-            st = self._agents.get(key)
-            if st is not None:
-                out[key] = self._draft(st, min(st.length.k_max, int(limit)))
-        adaptive = [k for k in out if not self._agents[k].length.fixed]
+            st = get(key)
+            if st is None:
+                continue
+            length = st.length
+            d = out[key] = draft(st, min(length.k_max, int(limit)))
+            if length.fixed:
+                fixed_w = max(fixed_w, len(d))
+            else:
+                length.planned = True  # acceptance only: the planner picks the width
+                adaptive.append(key)
+                wants.append((length.acceptance, len(d)))
         if self.planner is None or not adaptive:
             return out
-        for k in adaptive:
-            self._agents[k].length.planned = True  # acceptance only: the planner picks the width
-        w = self.planner.choose([(self._agents[k].length.acceptance, len(out[k])) for k in adaptive],
-                                agents if agents is not None else len(limits))
+        w = self.planner.choose(wants, agents if agents is not None else len(limits))
         self.widths[w] += 1
-        w = max([w] + [len(d) for k, d in out.items() if self._agents[k].length.fixed])  # free up to there
-        for k in adaptive:
-            out[k] = out[k][:w]
+        w = max(w, fixed_w)  # free up to there
+        for k, (_, n) in zip(adaptive, wants):
+            if n > w:
+                out[k] = out[k][:w]
         return out
 
     def record(self, key, emitted: list[int], drafted: int) -> None:
@@ -179,9 +190,9 @@ class Speculator:
         st = self._agents.get(key)
         if st is None:
             return
-        st.context.extend(int(t) for t in emitted)
+        st.context.extend(map(int, emitted))
         if self.tree is not None:
-            self.tree.extend_all(st.handle, emitted)
+            self.tree.extend_all(st.handle, emitted)  # logged; added when the tree is read
         if drafted:
             acc = len(emitted) - 1
             st.length.update(drafted, acc)
@@ -196,10 +207,7 @@ class Speculator:
         and `StepCost` (agents whose config left cost_per_draft unset draft by the cost measured so
         far). Leave out steps that prefilled prompts or captured a graph."""
         self.times.observe(agents if agents is not None else max(1, len(self._agents)), width, seconds)
-        self.step_cost.observe(width, seconds)
-        c = self.step_cost.cost_per_draft
-        for key in self._measured:
-            self._agents[key].length.cost = c
+        self.step_cost.observe(width, seconds)  # its agents read the fit when they next need it
 
     def step_done(self, verified: bool) -> None:
         """One batch step ran; `verified`: it had a verify forward."""
@@ -207,7 +215,6 @@ class Speculator:
             self.steps += 1
 
     def remove(self, key) -> None:
-        self._measured.discard(key)
         st = self._agents.pop(key, None)
         if st is not None and isinstance(st.drafter, DraftModel):
             st.drafter.forget(key)

@@ -1,0 +1,139 @@
+"""The cheaper host paths of a speculative step equal the ones they replaced, on random inputs:
+the lazily added outputs tree (reads at any point, clears, partial flushes, a deeper fit), drafts
+from an agent's tree handle instead of walks, prompt lookup's own-token index by min_ngram keys,
+the planner's per-agent rows, the memoised step times."""
+
+from __future__ import annotations
+
+import statistics
+
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from polykv.spec import NgramIndex, PromptLookup, SuffixTree
+from polykv.spec.adaptive import StepTimes, WidthPlanner, agent_bucket, expected_tokens
+
+from .test_drafters import _ref_lookup, _RefTree
+
+FAST = settings(max_examples=60, deadline=None, database=None, derandomize=True)
+
+
+@FAST
+@given(st.data(), st.integers(2, 6), st.sampled_from([40, 300, 500_000]), st.sampled_from([0, 3, 1 << 16]))
+def test_lazy_tree_equals_the_eager_object_tree(data, vocab, max_nodes, max_pending):
+    """Sequences extended in random order, read at random points (every read flushes the log), a
+    max_nodes clear, a bounded log flushed in part: every draft, with and without the sequence's
+    handle, and the node count equal the object tree's (extended eagerly)."""
+    lazy = SuffixTree(max_depth=10, max_match=6, max_nodes=max_nodes, max_pending=max_pending)
+    ref = _RefTree(max_depth=10, max_match=6, max_nodes=max_nodes)
+    prompts = [data.draw(st.lists(st.integers(0, vocab - 1), max_size=5)) for _ in range(3)]
+    seqs = [[] for _ in prompts]
+    hl, hr = [lazy.start() for _ in prompts], [ref.start() for _ in prompts]
+    for _ in range(data.draw(st.integers(1, 60))):
+        i = data.draw(st.integers(0, len(seqs) - 1))
+        toks = data.draw(st.lists(st.integers(0, vocab - 1), min_size=1, max_size=5))
+        seqs[i] += toks
+        lazy.extend_all(hl[i], toks)
+        for t in toks:
+            ref.extend(hr[i], t)
+        if data.draw(st.integers(0, 4)) == 0:  # a read: the log is added now
+            j, k = data.draw(st.integers(0, len(seqs) - 1)), data.draw(st.integers(1, 4))
+            ctx = prompts[j] + seqs[j]
+            want = ref.propose(ctx, k)
+            assert lazy.propose(ctx, k, hl[j]) == want
+            assert lazy.propose(ctx, k) == want
+            assert lazy.nodes == ref.nodes
+    assert lazy.nodes == ref.nodes
+
+
+@FAST
+@given(st.data(), st.integers(1, 4))
+def test_a_deeper_fit_adds_the_log_at_the_old_depth(data, k):
+    """fit(k) while tokens are logged: they are added at the depth they were extended at, then the
+    tree deepens — the drafts of a tree that added every token at once."""
+    eager = SuffixTree(max_depth=24, max_match=4, max_pending=0)  # max_pending 0: added at extend
+    lazy = SuffixTree(max_depth=24, max_match=4)
+    for t in (eager, lazy):
+        t.fit(1)
+    hs = [(eager.start(), lazy.start(), []) for _ in range(3)]
+    for step in range(data.draw(st.integers(1, 40))):
+        he, hl, seq = hs[data.draw(st.integers(0, 2))]
+        toks = data.draw(st.lists(st.integers(0, 3), min_size=1, max_size=4))
+        seq += toks
+        eager.extend_all(he, toks)
+        lazy.extend_all(hl, toks)
+        if step == 10:
+            eager.fit(k + 2)
+            lazy.fit(k + 2)
+    assert lazy.depth == eager.depth
+    for _, hl, seq in hs:
+        for j in range(1, k + 3):
+            assert lazy.propose(seq, j, hl) == eager.propose(seq, j)
+    assert lazy.nodes == eager.nodes
+
+
+@FAST
+@given(st.data(), st.integers(2, 8), st.integers(1, 3), st.integers(0, 4))
+def test_prompt_lookup_own_index_equals_a_scan(data, vocab, min_ngram, extra):
+    """Contexts grown by appending and asked at random points (the index catches up lazily), now
+    and then rewritten: every draft equals the full scan's, with and without a document."""
+    max_ngram = min_ngram + extra
+    doc = data.draw(st.lists(st.integers(0, vocab - 1), min_size=1, max_size=60))
+    for index in (NgramIndex(doc), None):
+        pl = PromptLookup(index, max_ngram, min_ngram)
+        ctx = data.draw(st.lists(st.integers(0, vocab - 1), min_size=1, max_size=4))
+        for _ in range(data.draw(st.integers(1, 40))):
+            ctx.extend(data.draw(st.lists(st.integers(0, vocab - 1), min_size=1, max_size=4)))
+            if data.draw(st.integers(0, 9)) == 0:
+                ctx[-3:] = data.draw(st.lists(st.integers(0, vocab - 1), min_size=3, max_size=3))
+            if data.draw(st.booleans()):
+                k = data.draw(st.integers(1, 5))
+                assert pl.propose(ctx, k) == _ref_lookup(index, ctx, k, max_ngram, min_ngram)
+
+
+def _old_best(planner: WidthPlanner, agents, n_agents):
+    """WidthPlanner.best before the per-agent rows: one expected_tokens call per (agent, width)."""
+    n = max(len(agents), n_agents)
+    costs = planner.step_costs(n)
+    others = n - len(agents)
+    scores = [(others + sum(expected_tokens(a, min(k, w)) for a, k in agents)) / max(costs[w], 1e-12)
+              for w in range(planner.k_max + 1)]
+    w = 0
+    for j in range(1, planner.k_max + 1):
+        if scores[j] > scores[w] * 1.0001:
+            w = j
+    return w, scores
+
+
+acceptance = st.one_of(st.floats(0.0, 1.0), st.sampled_from([0.0, 0.5, 1.0, 1 / 3]))
+
+
+@FAST
+@given(st.lists(st.tuples(acceptance, st.integers(0, 6)), max_size=40), st.integers(1, 6), st.integers(0, 8),
+       st.lists(st.floats(0.5, 3.0), min_size=0, max_size=7))
+def test_planner_rows_equal_expected_tokens_per_width(agents, k_max, others, times):
+    """The same scores bit for bit (same operations, same order of the sum) and the same width."""
+    t = StepTimes()
+    for w, s in enumerate(times):
+        t.observe(len(agents) + others or 1, w, s)
+    planner = WidthPlanner(k_max, t, prior=0.1)
+    assert planner.best(agents, len(agents) + others) == _old_best(planner, agents, len(agents) + others)
+
+
+@FAST
+@given(st.lists(st.tuples(st.sampled_from([1, 3, 8, 30]), st.integers(0, 4), st.floats(0.1, 5.0)),
+                max_size=80), st.integers(1, 6))
+def test_step_times_memo_equals_a_fresh_estimate(observations, window):
+    """seen() kept between observations equals the median / min of each width's window now."""
+    t = StepTimes(window=window)
+    obs: dict = {}
+    for agents, w, s in observations:
+        t.observe(agents, w, s)
+        obs.setdefault((agent_bucket(agents), w), []).append(s)
+        for b in {agent_bucket(a) for a, _, _ in observations}:
+            want = {}
+            for (bb, ww), xs in sorted(obs.items()):
+                xs = xs[-window:]
+                if bb == b:
+                    want[ww] = statistics.median(xs) if len(xs) >= 3 else min(xs)
+            assert t.seen(b) == want
