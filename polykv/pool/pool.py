@@ -764,7 +764,7 @@ class SharedKVPool:
                                   new_tokens=[len(outs[a]) for a in aids], kv_bytes_agents_peak=peak,
                                   suffix_ids=suffixes, answer_ids=[list(outs[a]) for a in aids],
                                   seconds=time.perf_counter() - t0, graph_captures=captures,
-                                  step_ms=_step_ms(step_s))
+                                  step_ms=_step_ms(step_s), pipelined=bool(pipelined and spec is None))
         if spec is not None:
             self.last_generate["speculative"] = dict(spec.stats(), method=spec_cfg.method,
                                                      num_draft_tokens=spec_cfg.num_draft_tokens)

@@ -111,8 +111,8 @@ def test_pipelined_equals_synchronous_with_eos_at_different_steps(tiny, path, mo
     checked_removals.clear()
     pool.generate(doc, PROMPTS, max_new_tokens=N, **sampling)
     piped = pool.last_generate
-    assert sync["answer_ids"] == want
-    assert piped["answer_ids"] == want
+    assert sync["answer_ids"] == want and sync["pipelined"] is False
+    assert piped["answer_ids"] == want and piped["pipelined"] is True
     assert sorted(checked_removals) == list(range(len(PROMPTS)))  # every agent left the batch
     # the last agent ends by count: no extra step for it; one step ahead is the most it costs
     assert piped["steps"] == sync["steps"]
@@ -300,3 +300,25 @@ def test_replay_fills_the_pinned_buffers_in_turn(tiny):
         positions = sorted(h[2, :, 0].tolist() for h in cap.hosts)
         assert tokens == [[40, 40], [41, 41]]
         assert positions == [[len(DOC) + 2, len(DOC) + 1], [len(DOC) + 3, len(DOC) + 2]]
+
+
+def test_drafts_verified_after_a_device_fed_token(tiny, path):
+    """Drafts may follow a token the host has not read (`feed_drafts` after `step_tokens_ahead`):
+    the verify forward takes it from the feedback row (the captured multi-column step or the eager
+    forward) and emits what the synchronous step_tokens + feed + feed_drafts emits; rejected drafts
+    are rolled back the same way."""
+    pool, doc = _pool(tiny)
+    ref_pool, _ = _pool(tiny)
+    drafts = [[40, 41, 42], [], [43], [44, 45], [46]]
+    with pool.open_batch(doc, capacity=8) as b, ref_pool.open_batch(doc, capacity=8) as r:
+        aids = [b.add(p) for p in PROMPTS]
+        assert aids == [r.add(p) for p in PROMPTS]
+        first = r.step_tokens()
+        r.feed(first)
+        ahead = b.step_tokens_ahead()
+        for x in (b, r):
+            x.feed_drafts({a: d for a, d in zip(aids, drafts)})
+        got, want = b.step_verify(), r.step_verify()
+        assert ahead.result() == first and got == want
+        assert torch.equal(b.cache.lens, r.cache.lens)
+        assert [b.tokens(a) for a in aids] == [r.tokens(a) for a in aids]
