@@ -16,9 +16,11 @@ the host work measured is the GPU loop's host work.
 Per (agents, side): one untimed warm-up call (builds the static steps), then `repeats` timed
 calls; host_ms_per_step = (wall seconds - seconds inside the model's forward) / batch steps, the
 median over repeats. Plain and speculative sides run alternately in the same process.
-parts_ms_per_step splits it: "step" (AgentBatch.step_tokens / step_verify minus the model), "record"
-(Speculator.record: contexts, acceptance, the outputs tree), "draft" (Speculator.propose_all:
-drafters and the width planner); the rest is the generate loop itself.
+parts_ms_per_step splits it: "step" (AgentBatch.step_tokens / step_verify / step_tokens_ahead and
+the pipelined loop's PendingTokens.result, minus the model), "record" (Speculator.record: contexts,
+acceptance, the outputs tree's log), "draft" (Speculator.propose_all: drafters — the outputs tree's
+adds included — and the width planner), "loop": the rest, the generate loop itself (each part the
+median over repeats, so they need not add up to the host figure exactly).
 """
 
 from __future__ import annotations
@@ -115,7 +117,8 @@ def _static_steps():
         decode_graph.graphs_supported, decode_graph.DecodeGraphs = saved
 
 
-_PARTS = (("step", "polykv.pool.agents", "AgentBatch", ("step_tokens", "step_verify")),
+_PARTS = (("step", "polykv.pool.agents", "AgentBatch", ("step_tokens", "step_verify", "step_tokens_ahead")),
+          ("step", "polykv.pool.agents", "PendingTokens", ("result",)),  # the pipelined plain loop's read
           ("record", "polykv.spec.speculator", "Speculator", ("record",)),
           ("draft", "polykv.spec.speculator", "Speculator", ("propose_all",)))
 
@@ -128,9 +131,11 @@ def _timed_parts(acc: dict):
 
     saved = []
     for part, mod, cls, names in _PARTS:
-        klass = getattr(importlib.import_module(mod), cls)
+        klass = getattr(importlib.import_module(mod), cls, None)
         for name in names:
-            fn = getattr(klass, name)
+            fn = getattr(klass, name, None)
+            if fn is None:  # a tree before the pipelined plain loop
+                continue
 
             def wrap(*a, _fn=fn, _part=part, **kw):
                 t = time.perf_counter()
@@ -146,6 +151,17 @@ def _timed_parts(acc: dict):
     finally:
         for klass, name, fn in saved:
             setattr(klass, name, fn)
+
+
+_NAMES = ("step", "record", "draft", "loop")
+
+
+def _part(p: str, wall: float, model: float, info: dict) -> float:
+    """Host seconds of part p in one call; "loop": the host time outside the other three."""
+    parts = info["parts"]
+    if p == "loop":
+        return wall - model - sum(parts.values())
+    return parts.get(p, 0.0) - (model if p == "step" else 0.0)
 
 
 def measure(agents=(8, 32), tokens: int = 64, repeats: int = 3,
@@ -179,9 +195,8 @@ def measure(agents=(8, 32), tokens: int = 64, repeats: int = 3,
                                  host_ms_per_step=statistics.median((w - m) / steps for w, m, _ in runs) * 1e3,
                                  model_ms_per_step=statistics.median(m / steps for _, m, _ in runs) * 1e3,
                                  ms_per_token=statistics.median((w - m) / sum(i["new_tokens"]) for w, m, i in runs) * 1e3,
-                                 parts_ms_per_step={p: statistics.median(
-                                     (i["parts"].get(p, 0.0) - (m if p == "step" else 0.0)) / steps for _, m, i in runs) * 1e3
-                                     for p, *_ in _PARTS},
+                                 parts_ms_per_step={p: statistics.median(_part(p, w, m, i) / steps for w, m, i in runs) * 1e3
+                                                    for p in _NAMES},
                                  tokens_per_step=round(st.get("tokens_per_step", 1.0), 3),
                                  acceptance=round(st.get("acceptance", 0.0), 3),
                                  graph_captures=sum(i["graph_captures"] for _, _, i in runs)))

@@ -173,20 +173,27 @@ class StepTimes:
     def __init__(self, window: int = 16):
         self.window = int(window)
         self._obs: dict[tuple[int, int], deque] = {}
-        self._seen: dict[int, dict[int, float]] = {}  # bucket -> seen(), until its next observation
+        # memos, dropped by the next observation of their key / bucket (the planner asks for every
+        # width of its bucket twice per step; one width changed since the last step)
+        self._est: dict[tuple[int, int], float] = {}
+        self._seen: dict[int, dict[int, float]] = {}
         self._lock = threading.Lock()
 
     def observe(self, agents: int, width: int, seconds: float) -> None:
         key = (agent_bucket(agents), int(width))
         with self._lock:
             self._obs.setdefault(key, deque(maxlen=self.window)).append(float(seconds))
+            self._est.pop(key, None)
             self._seen.pop(key[0], None)
 
     def _estimate(self, key) -> float | None:
-        xs = self._obs.get(key)
-        if not xs:
-            return None
-        return statistics.median(xs) if len(xs) >= 3 else min(xs)
+        got = self._est.get(key)
+        if got is None:
+            xs = self._obs.get(key)
+            if not xs:
+                return None
+            got = self._est[key] = statistics.median(xs) if len(xs) >= 3 else min(xs)
+        return got
 
     def estimate(self, agents: int, width: int) -> float | None:
         """Seconds of one step of `width` for `agents` agents, or None when never measured."""
