@@ -7,9 +7,11 @@ static device inputs, and replayed: per step the host fills one pinned int64 [3,
 (tokens, write rows, positions), makes one host-to-device copy and one replay. Logits and the greedy
 choice are static outputs of the graph.
 
-Nothing in `_replay` waits for the device: the copy is non-blocking, from one of two pinned buffers
-used in turn (a CUDA event says when a buffer's last copy has been read, before it is refilled), so
-the host can prepare step t+1 while step t runs. A token not known on the host (`feedback`: the
+A replay does not wait for the device (unless it captures, or the page table changed — a new page
+every 64 rows of an agent, a slot move — and `PageTable.device_table` refreshes it with a blocking
+copy): the upload is non-blocking, from one of two pinned buffers used in turn (a CUDA event says
+when a buffer's last copy has been read, before it is refilled), so the host can prepare step t+1
+while step t runs. A token not known on the host (`feedback`: the
 pipelined `AgentBatch.step_tokens_ahead` fed the previous step's chosen id on the device) is marked
 negative in the host buffer and copied on the device from the feedback row into the token column
 after the upload, before the replay (outside the graph: the row may be reallocated as slots grow).
