@@ -154,11 +154,12 @@ class PromptLookup:
     """n-gram match against the document (`NgramIndex`) and the agent's own tokens (module doc).
 
     The own-token match keeps an index of the context's positions by the min_ngram tokens before
-    them (those tokens -> every end index, ascending) when `propose` is called again with the same
-    list object grown by appending (what `Speculator` does): each call indexes only the new tokens
-    (one key per token, not one per n), and only when the document has no draft at the n where the
-    own tokens would be asked. A lookup walks the ends of the context's last min_ngram tokens,
-    latest first, and extends each match backwards: the latest end matching n tokens is the one
+    them (those tokens -> the latest such end, each end linked to the previous one with the same
+    tokens: ints only, no list per key) when `propose` is called again with the same list object
+    grown by appending (what `Speculator` does): each call indexes only the new tokens (one key per
+    token, not one per n), and only when the document has no draft at the n where the own tokens
+    would be asked. A lookup walks the ends of the context's last min_ngram tokens, latest first,
+    and extends each match backwards: the latest end matching n tokens is the one
     `_own_match(ctx, n)` returns. Any other context (or one whose indexed tail changed) is indexed
     from scratch; the result is `_own_match`'s either way."""
 
@@ -166,22 +167,23 @@ class PromptLookup:
         self.index, self.max_ngram, self.min_ngram, self.own = index, int(max_ngram), int(min_ngram), own
         self._src = None  # the context list indexed
         self._end = 0  # ends up to this index of it are in _ends
-        self._ends: dict = {}  # tuple(ctx[e - min_ngram: e]) -> [e, ...] ascending
+        self._ends: dict = {}  # tuple(ctx[e - min_ngram: e]) -> its latest end e
+        self._prev: list[int] = []  # _prev[e]: the end before e with the same key (-1: none); ints, no list per key
         self._tail = None  # ctx[_end - 1] when indexed
 
     def _own_index(self, ctx) -> dict:
         """Index of the ends e <= len(ctx) - 1 of ctx's min_ngram-grams (every earlier occurrence
-        `_own_match` may return ends at one of them)."""
+        `_own_match` may return ends at one of them): key -> latest end, earlier ones via _prev."""
         if ctx is not self._src or self._end > len(ctx) - 1 or (self._end and ctx[self._end - 1] != self._tail):
-            self._src, self._end, self._ends = ctx, 0, {}
-        ends, lo = self._ends, self.min_ngram
-        for e in range(max(self._end + 1, lo), len(ctx)):
+            self._src, self._end, self._ends, self._prev = ctx, 0, {}, []
+        ends, prev, lo = self._ends, self._prev, self.min_ngram
+        first = max(self._end + 1, lo)
+        if len(prev) < first:
+            prev.extend([-1] * (first - len(prev)))
+        for e in range(first, len(ctx)):
             key = tuple(ctx[e - lo: e])
-            got = ends.get(key)
-            if got is None:
-                ends[key] = [e]
-            else:
-                got.append(e)
+            prev.append(ends.get(key, -1))  # prev[e]
+            ends[key] = e
         self._end = max(self._end, len(ctx) - 1)
         self._tail = ctx[self._end - 1] if self._end else None
         return ends
@@ -192,7 +194,9 @@ class PromptLookup:
         lo, L = self.min_ngram, len(ctx)
         own = [-1] * (top + 1)
         missing = top - lo + 1
-        for e in reversed(self._own_index(ctx).get(tuple(ctx[L - lo:]), ())):
+        e = self._own_index(ctx).get(tuple(ctx[L - lo:]), -1)
+        prev = self._prev
+        while e >= 0:  # latest end first
             j = lo  # ctx[e - lo: e] == ctx[-lo:] by the key; extend backwards up to top, not before 0
             while j < top and j < e and ctx[e - 1 - j] == ctx[L - 1 - j]:
                 j += 1
@@ -202,6 +206,7 @@ class PromptLookup:
                     missing -= 1
             if not missing:
                 break
+            e = prev[e]
         return own
 
     def propose(self, context_ids: list[int], k: int) -> list[int]:
