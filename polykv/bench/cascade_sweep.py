@@ -19,10 +19,11 @@ import torch
 from polykv.bench.attention import bench_one
 
 CONFIGS = [  # risky builds last: one that dies in LLVM slows every later config of the process
-    {},  # the defaults
-    dict(prefix_tune=dict(vector_factors=False, maxnreg=None)),  # v9: factors loaded per row
-    dict(prefix_tune=dict(maxnreg=None)),  # v10's loads without the register cap (213: 2 per SM)
-    dict(prefix_tune=dict(num_stages=4)),
+    {},  # the defaults (Hopper: the warp-specialised prefix pass, gluon_prefix)
+    dict(prefix_tune=dict(impl="tile")),  # v10's tile kernel
+    dict(prefix_tune=dict(ws=dict(pipe=False))),  # no intra-warp-group overlap
+    dict(prefix_tune=dict(ws=dict(prefetch=False))),  # no register prefetch in the producer
+    dict(prefix_tune=dict(ws=dict(producers=2, maxnreg=128, consumer_regs=176))),
 ]
 
 

@@ -135,6 +135,32 @@ def correctness():
         o2, l2 = cascade_attention_ref(q, pk, pv, sk, sv, sl, kc, vc)
         check(f"cascade {kn}/{vn} 8 agents 64k", rel(o, o2) <= 1e-2, rel=rel(o, o2),
               lse_err=(l - l2).abs().max().item())
+    # the warp-specialised prefix pass (Hopper: gluon_prefix) at every row-tile shape, partial
+    # key tiles (lengths not a multiple of 64), an empty split, and chunked == whole bit for bit
+    from polykv.kernels.gluon_prefix import ws_ok, ws_prefix
+    from polykv.kernels.triton_cascade import _prefix_lens
+    kc, vc = get_codec("q8_0", 128), get_codec("turbo3", 128)
+    for ctx, agents, sfx in ((4097, 5, 7), (20000, 32, 33), (65536, 64, 64), (1000, 17, 1)):
+        pk, pv = kc.encode(rnd(1, 8, ctx, 128)), vc.encode(rnd(1, 8, ctx, 128))
+        sk, sv = kc.encode(rnd(agents, 8, sfx, 128)), vc.encode(rnd(agents, 8, sfx, 128))
+        sl = torch.full((agents,), sfx, dtype=torch.int32, device=DEV)
+        q = rnd(agents, 32, 1, 128)
+        o, l = cascade_attention(q, pk, pv, sk, sv, sl, kc, vc)
+        o2, l2 = cascade_attention_ref(q, pk, pv, sk, sv, sl, kc, vc)
+        check(f"cascade ws q8_0/turbo3 {agents} agents {ctx}", rel(o, o2) <= 1e-2, rel=rel(o, o2),
+              lse_err=(l - l2).abs().max().item(), ws=ws_ok(q.new_zeros(1, 8, 4 * agents, 128),
+                                                          kc, vc))
+    ctx = 65536
+    pk, pv = kc.encode(rnd(1, 8, ctx, 128)), vc.encode(rnd(1, 8, ctx, 128))
+    qp = rnd(1, 8, 128, 128, dtype=torch.float32)
+    cut = lambda p, a, b: type(p)(p.codes[:, :, a:b], p.scales[:, :, a:b])  # noqa: E731
+    whole = ws_prefix(qp, [(pk, pv, _prefix_lens(ctx, DEV), 0)], ctx, kc, vc, sm_scale=0.0884,
+                      max_split=16384)
+    parts = ws_prefix(qp, [(cut(pk, a, a + 16384), cut(pv, a, a + 16384),
+                            _prefix_lens(16384, DEV), a) for a in range(0, ctx, 16384)],
+                      ctx, kc, vc, sm_scale=0.0884, max_split=16384)
+    check("cascade ws chunked == whole", torch.equal(whole[0], parts[0])
+          and torch.equal(whole[1], parts[1]))
     # the dense-cascade anchor itself vs SDPA over prefix+suffix
     from polykv.bench.attention import dense_cascade
     q = rnd(3, 32, 1, 128)
@@ -167,7 +193,9 @@ def correctness():
                 if c.rotated:
                     # Rotation summed in another order: a coordinate within ulps of a boundary may take the
                     # neighbouring index; groups whose indices all agree must match to one fp16 ulp, a group
-                    # with a flipped index shifts its corrected norm by that centroid change (< 1%).
+                    # with a flipped index shifts its corrected norm by that centroid change: sum(c^2) moves
+                    # by at most the largest gap between adjacent c^2 out of ~G (unit-variance codebook),
+                    # the norm by half that (turbo3, G 128: 1.1 %; a 1 % bound failed once on the H200).
                     differs = c.indices(got) != c.indices(ref)  # [..., n_groups, G]
                     mis = differs.float().mean().item()
                     srel_all = ((got.scales.float() - ref.scales.float()).abs()
@@ -175,8 +203,11 @@ def correctness():
                     flipped = differs.any(-1)
                     srel = srel_all[~flipped].max().item()
                     srel_flip = srel_all[flipped].max().item() if bool(flipped.any()) else 0.0
-                    check(tag, mis <= 1e-3 and srel <= 1.1e-3 and srel_flip <= 1e-2,
-                          idx_mismatch=mis, norm_rel=srel, norm_rel_flipped=srel_flip)
+                    c2 = c.centroids.float().sort().values ** 2
+                    flip_tol = 0.6 * float(c2.diff().abs().max()) / c.group
+                    check(tag, mis <= 1e-3 and srel <= 1.1e-3 and srel_flip <= flip_tol,
+                          idx_mismatch=mis, norm_rel=srel, norm_rel_flipped=srel_flip,
+                          norm_rel_flipped_bound=flip_tol)
                 else:
                     same = torch.equal(got.codes.view(torch.uint8) if got.codes.dtype != torch.bfloat16
                                        else got.codes.view(torch.int16),

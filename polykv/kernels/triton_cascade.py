@@ -14,6 +14,7 @@ import triton
 import triton.language as tl
 
 from ..codecs import Packed
+from .gluon_prefix import ws_ok, ws_prefix
 from .triton_decode import PHASE_MAX_ROWS, decode_prepared
 
 
@@ -102,13 +103,20 @@ def cascade_prepared(qp: torch.Tensor, n_q: int, prefix_k: Packed | None, prefix
     # H200, 64k prefix (kernels_notes v9/v10): 3 pipeline stages; 168 registers = 3 tile-kernel
     # programs per SM (the vector factor loads of v10 alone build at 213 = 2 per SM)
     tile = {"num_stages": 3, "maxnreg": 168} if N * M > PHASE_MAX_ROWS else {"num_stages": 3}
+    tune = {**kw, **(prefix_tune or {})}
     # power-of-two splits (<= prefix_max_split): the same splits whether whole or in chunks
-    out_p, lse_p = decode_prepared(qc, n_q, None, None, k_codec, v_codec, None,
-                                   causal=False, window=None, sm_scale=sm_scale, chunks=chunks,
-                                   total_rows=prefix_rows,
-                                   **{"block_m_max": prefix_block_m, "max_split": prefix_max_split,
-                                      **(tile if D <= 128 and qp.is_cuda else {}), **kw,
-                                      **(prefix_tune or {})})
+    if tune.get("impl", "auto") in ("auto", "ws") and ws_ok(qc, k_codec, v_codec):
+        # Hopper: the warp-specialised pass (decode in a producer warp group, wgmma in consumers)
+        out_p, lse_p = ws_prefix(qc, chunks, prefix_rows, k_codec, v_codec, sm_scale=sm_scale,
+                                 max_split=prefix_max_split, **tune.get("ws", {}))
+    else:
+        tune.pop("ws", None)
+        out_p, lse_p = decode_prepared(qc, n_q, None, None, k_codec, v_codec, None,
+                                       causal=False, window=None, sm_scale=sm_scale,
+                                       chunks=chunks, total_rows=prefix_rows,
+                                       **{"block_m_max": prefix_block_m,
+                                          "max_split": prefix_max_split,
+                                          **(tile if D <= 128 and qp.is_cuda else {}), **tune})
     out_p = out_p.reshape(Hkv, N, M, D).permute(1, 0, 2, 3)
     lse_p = lse_p.reshape(Hkv, N, M).permute(1, 0, 2)
     if suffix_k.codes.shape[2] == 0 or (suffix_pages is not None and suffix_pages.shape[1] == 0):
