@@ -23,7 +23,6 @@ CONFIGS = [  # risky builds last: one that dies in LLVM slows every later config
     dict(prefix_tune=dict(impl="tile")),  # v10's tile kernel
     dict(prefix_tune=dict(ws=dict(pipe=False))),  # no intra-warp-group overlap
     dict(prefix_tune=dict(ws=dict(prefetch=False))),  # no register prefetch in the producer
-    dict(prefix_tune=dict(ws=dict(producers=2, maxnreg=128, consumer_regs=176))),
 ]
 
 

@@ -152,37 +152,33 @@ def _producer(KW, KS, VW, VS, k_bufs, v_bufs, ready, empty, kbase, ksbase, vbase
               end, sks, skss, svs, svss, BLOCK_N: gl.constexpr, D: gl.constexpr,
               NBUF: gl.constexpr, KA: gl.constexpr, VA0: gl.constexpr, VA1: gl.constexpr,
               VA2: gl.constexpr, VA3: gl.constexpr, VA4: gl.constexpr, VA5: gl.constexpr,
-              VA6: gl.constexpr, VA7: gl.constexpr, PREFETCH: gl.constexpr, PART: gl.constexpr,
-              NPART: gl.constexpr):
-    """Decodes rows [PART * RB, (PART + 1) * RB) of every key tile (RB = BLOCK_N / NPART: NPART
-    producer warp groups share a tile) into the stage ring. PREFETCH: tile i + 1's bytes are
+              VA6: gl.constexpr, VA7: gl.constexpr, PREFETCH: gl.constexpr):
+    """Decodes every key tile of the split into the stage ring. PREFETCH: tile i + 1's bytes are
     loaded into registers before tile i is decoded (one tile of global-load latency hidden behind
     the decode; a tile past `end` loads nothing)."""
-    RB: gl.constexpr = BLOCK_N // NPART
     n_tiles = gl.cdiv(end - start, BLOCK_N)
-    r0 = start + PART * RB
-    kq, ks = _k_load(KW, KS, kbase, ksbase, r0, end, sks, skss, RB, D)
-    la, lb, hi, nrm = _v_load(VW, VS, vbase, vsbase, r0, end, svs, svss, RB, D)
+    kq, ks = _k_load(KW, KS, kbase, ksbase, start, end, sks, skss, BLOCK_N, D)
+    la, lb, hi, nrm = _v_load(VW, VS, vbase, vsbase, start, end, svs, svss, BLOCK_N, D)
     for i in range(n_tiles):
         stage = i % NBUF
-        n0 = r0 + i * BLOCK_N
+        n0 = start + i * BLOCK_N
         if PREFETCH:
-            kq1, ks1 = _k_load(KW, KS, kbase, ksbase, n0 + BLOCK_N, end, sks, skss, RB, D)
+            kq1, ks1 = _k_load(KW, KS, kbase, ksbase, n0 + BLOCK_N, end, sks, skss, BLOCK_N, D)
             la1, lb1, hi1, nrm1 = _v_load(VW, VS, vbase, vsbase, n0 + BLOCK_N, end, svs, svss,
-                                          RB, D)
+                                          BLOCK_N, D)
         elif i > 0:
-            kq, ks = _k_load(KW, KS, kbase, ksbase, n0, end, sks, skss, RB, D)
-            la, lb, hi, nrm = _v_load(VW, VS, vbase, vsbase, n0, end, svs, svss, RB, D)
+            kq, ks = _k_load(KW, KS, kbase, ksbase, n0, end, sks, skss, BLOCK_N, D)
+            la, lb, hi, nrm = _v_load(VW, VS, vbase, vsbase, n0, end, svs, svss, BLOCK_N, D)
         # a stage's barriers start in phase 0: the first wait on `empty` (parity 1) passes at
         # once; decoding after the wait keeps fewer registers live across it
         mbarrier.wait(empty.index(stage), ((i // NBUF) & 1) ^ 1)
-        k_bufs.index(stage).slice(PART * RB, RB).store(_k_decode(kq, ks, RB, D, KA))
-        v_bufs.index(stage).slice(PART * RB, RB).store(
-            _v_decode(la, lb, hi, nrm, RB, D, VA0, VA1, VA2, VA3, VA4, VA5, VA6, VA7))
+        k_bufs.index(stage).store(_k_decode(kq, ks, BLOCK_N, D, KA))
+        v_bufs.index(stage).store(
+            _v_decode(la, lb, hi, nrm, BLOCK_N, D, VA0, VA1, VA2, VA3, VA4, VA5, VA6, VA7))
         if PREFETCH:
             kq, ks, la, lb, hi, nrm = kq1, ks1, la1, lb1, hi1, nrm1
         # the generic-proxy stores must be visible to the consumers' wgmma (async proxy), from
-        # every thread of this warp group, before its single arrival
+        # every producer thread, before the single arrival
         fence_async_shared()
         gl.thread_barrier()
         mbarrier.arrive(ready.index(stage), count=1)
@@ -293,7 +289,7 @@ def _ws_prefix_kernel(Q, KC, KS, VC, VS, KV_LENS, O_PART, L_PART,
                       VA0: gl.constexpr, VA1: gl.constexpr, VA2: gl.constexpr, VA3: gl.constexpr,
                       VA4: gl.constexpr, VA5: gl.constexpr, VA6: gl.constexpr, VA7: gl.constexpr,
                       CREG: gl.constexpr, PREFETCH: gl.constexpr, PIPE: gl.constexpr,
-                      EVEN: gl.constexpr, NPART: gl.constexpr, PREG: gl.constexpr):
+                      EVEN: gl.constexpr):
     """Grid (Hkv, splits of this chunk, row tiles). Q float32 [Hkv, M_TOTAL, D] (rows of all
     agents, K's domain); KC/KS q8_0 codes / scales and VC/VS turbo3 codes / norms of one chunk
     (leading dim 1); KV_LENS int32 [1] the chunk's rows; split j of the launch is global split
@@ -326,7 +322,7 @@ def _ws_prefix_kernel(Q, KC, KS, VC, VS, KV_LENS, O_PART, L_PART,
     ready = gl.allocate_shared_memory(gl.int64, [NBUF, 1], mbarrier.MBarrierLayout())
     empty = gl.allocate_shared_memory(gl.int64, [NBUF, 1], mbarrier.MBarrierLayout())
     for i in gl.static_range(NBUF):
-        mbarrier.init(ready.index(i), count=NPART)  # one arrival per producer warp group
+        mbarrier.init(ready.index(i), count=1)
         mbarrier.init(empty.index(i), count=1)
     fence_async_shared()
     gl.thread_barrier()  # q and the barriers, written by every warp, before any partition reads them
@@ -338,33 +334,17 @@ def _ws_prefix_kernel(Q, KC, KS, VC, VS, KV_LENS, O_PART, L_PART,
     ksbase = h.to(gl.int64) * sksh
     vbase = h.to(gl.int64) * svh
     vsbase = h.to(gl.int64) * svsh
-    # the producers are the default partition (the kernel's num_warps = one warp group) and,
-    # with NPART = 2, a worker partition; the consumers a worker partition of BLOCK_M // 16 warps
-    # (Triton 3.6 gives called functions a warp count only inside worker partitions, and the
-    # consumers' row reductions need one)
-    # (the partition lists are spelled out in both branches: a Gluon kernel cannot hold a
-    # function or a tuple of constexprs in a variable)
-    if NPART == 1:
-        gl.warp_specialize([
-            (_producer, (KW, KS, VW, VS, k_bufs, v_bufs, ready, empty, kbase, ksbase, vbase,
-                         vsbase, start, end, sks, skss, svs, svss, BLOCK_N, D, NBUF, KA, VA0, VA1,
-                         VA2, VA3, VA4, VA5, VA6, VA7, PREFETCH, 0, 1)),
-            (_consumer, (O_PART, L_PART, q_smem, k_bufs, v_bufs, ready, empty, q_row0,
-                         M_TOTAL - gl.program_id(2) * BLOCK_M, start, end, N_SPLITS,
-                         SPLIT0 + pid_s, BLOCK_M, BLOCK_N, D, NBUF, BLOCK_M // 16, PIPE, EVEN)),
-        ], [BLOCK_M // 16], [CREG])
-    else:
-        gl.warp_specialize([
-            (_producer, (KW, KS, VW, VS, k_bufs, v_bufs, ready, empty, kbase, ksbase, vbase,
-                         vsbase, start, end, sks, skss, svs, svss, BLOCK_N, D, NBUF, KA, VA0, VA1,
-                         VA2, VA3, VA4, VA5, VA6, VA7, PREFETCH, 0, 2)),
-            (_consumer, (O_PART, L_PART, q_smem, k_bufs, v_bufs, ready, empty, q_row0,
-                         M_TOTAL - gl.program_id(2) * BLOCK_M, start, end, N_SPLITS,
-                         SPLIT0 + pid_s, BLOCK_M, BLOCK_N, D, NBUF, BLOCK_M // 16, PIPE, EVEN)),
-            (_producer, (KW, KS, VW, VS, k_bufs, v_bufs, ready, empty, kbase, ksbase, vbase,
-                         vsbase, start, end, sks, skss, svs, svss, BLOCK_N, D, NBUF, KA, VA0, VA1,
-                         VA2, VA3, VA4, VA5, VA6, VA7, PREFETCH, 1, 2)),
-        ], [BLOCK_M // 16, 4], [CREG, PREG])
+    # the producer is the default partition (the kernel's num_warps = one warp group), the
+    # consumers a worker partition of BLOCK_M // 16 warps: Triton 3.6 gives called functions a
+    # warp count only inside worker partitions, and the consumers' row reductions need one
+    gl.warp_specialize([
+        (_producer, (KW, KS, VW, VS, k_bufs, v_bufs, ready, empty, kbase, ksbase, vbase, vsbase,
+                     start, end, sks, skss, svs, svss, BLOCK_N, D, NBUF, KA,
+                     VA0, VA1, VA2, VA3, VA4, VA5, VA6, VA7, PREFETCH)),
+        (_consumer, (O_PART, L_PART, q_smem, k_bufs, v_bufs, ready, empty, q_row0,
+                     M_TOTAL - gl.program_id(2) * BLOCK_M, start, end, N_SPLITS, SPLIT0 + pid_s,
+                     BLOCK_M, BLOCK_N, D, NBUF, BLOCK_M // 16, PIPE, EVEN)),
+    ], [BLOCK_M // 16], [CREG])
 
 
 def ws_ok(qp: torch.Tensor, k_codec, v_codec) -> bool:
@@ -385,7 +365,7 @@ def ws_ok(qp: torch.Tensor, k_codec, v_codec) -> bool:
 def ws_prefix(qp: torch.Tensor, chunks, total_rows: int, k_codec, v_codec, *, sm_scale: float,
               max_split: int = 0, block_m: int = 0, block_n: int = 64, stages: int = 3,
               consumer_regs: int = 0, maxnreg: int = 0, prefetch: bool = True,
-              pipe: bool = True, producers: int = 1, producer_regs: int = 80,
+              pipe: bool = True,
               target_programs: int | None = None, out_dtype: torch.dtype | None = None):
     """The cascade prefix pass on the warp-specialised kernel (check `ws_ok` first).
     qp float32 [1, Hkv, M, D] in K's domain (rows of all agents); chunks: iterable of (k, v,
@@ -394,7 +374,8 @@ def ws_prefix(qp: torch.Tensor, chunks, total_rows: int, k_codec, v_codec, *, sm
     <= max_split when given). Returns (out float32 [1, Hkv, M, D] in V's storage domain — true
     space in out_dtype when given —, lse float32 [1, Hkv, M]). The rest tunes the launch (0 /
     None: the H200 defaults, docs/kernels_notes.md v11): row tile (64 up to 64 rows, else 128),
-    key tile, stages, registers, producer warp groups, programs."""
+    key tile, stages, registers per consumer thread / per thread of the CTA, the producer's
+    register prefetch, the consumers' S / PV overlap, programs."""
     from .triton_codec import asm_strings
     from .triton_decode import _strides, combine_splits, num_programs_target, plan_split_len
 
@@ -431,6 +412,6 @@ def ws_prefix(qp: torch.Tensor, chunks, total_rows: int, k_codec, v_codec, *, sm
             D=D, BLOCK_M=block_m, BLOCK_N=block_n, NBUF=stages, KA=ka,
             VA0=va[0], VA1=va[1], VA2=va[2], VA3=va[3], VA4=va[4], VA5=va[5], VA6=va[6],
             VA7=va[7], CREG=consumer_regs, PREFETCH=bool(prefetch), PIPE=pipe,
-            EVEN=rows % block_n == 0, NPART=producers, PREG=producer_regs, num_warps=4,
+            EVEN=rows % block_n == 0, num_warps=4,
             maxnreg=maxnreg)
     return combine_splits(o_part, l_part, n_splits, (1, Hkv, M, D), v_codec, out_dtype)

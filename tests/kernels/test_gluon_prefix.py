@@ -24,11 +24,10 @@ from polykv.kernels.triton_codec import ASM_Q8, asm_strings
 
 BIN = Path(triton.__file__).parent / "backends" / "nvidia" / "bin"
 
-VARIANTS = [  # (block_m, producers, even, maxnreg, consumer_regs)
-    (128, 1, True, 168, 200),   # 32-64 agents: the default
-    (128, 1, False, 168, 200),  # a prefix length not a multiple of the key tile
-    (64, 1, True, 128, 152),    # up to 16 agents: two CTAs per SM
-    (128, 2, True, 128, 176),   # two producer warp groups
+VARIANTS = [  # (block_m, even, maxnreg, consumer_regs)
+    (128, True, 168, 200),   # 32-64 agents: the default
+    (128, False, 168, 200),  # a prefix length not a multiple of the key tile
+    (64, True, 128, 152),    # up to 16 agents: two CTAs per SM
 ]
 
 # Run in a fresh interpreter: the tests' process runs Triton in interpreter mode
@@ -46,14 +45,14 @@ BIN = sys.argv[1]
 va = [gp.unpacked(a) for a in asm_strings(get_codec("turbo3", 128))]
 names = gp._ws_prefix_kernel.arg_names
 out = []
-for block_m, producers, even, maxnreg, consumer_regs in json.loads(sys.argv[2]):
+for block_m, even, maxnreg, consumer_regs in json.loads(sys.argv[2]):
     sig = dict(Q="*fp32", KC="*i8", KS="*fp16", VC="*u8", VS="*fp16", KV_LENS="*i32",
                O_PART="*fp32", L_PART="*fp32", qk_scale="fp32")
     for n in "skh sks sksh skss svh svs svsh svss M_TOTAL SPLIT_LEN N_SPLITS SPLIT0".split():
         sig[n] = "i32"
     consts = dict(D=128, BLOCK_M=block_m, BLOCK_N=64, NBUF=3, KA=gp.unpacked(ASM_Q8),
-                  CREG=consumer_regs, PREFETCH=True, PIPE=True, EVEN=even, NPART=producers,
-                  PREG=80, **{f"VA{i}": va[i] for i in range(8)})
+                  CREG=consumer_regs, PREFETCH=True, PIPE=True, EVEN=even,
+                  **{f"VA{i}": va[i] for i in range(8)})
     sig.update({k: "constexpr" for k in consts})
     attrs = {(names.index(n),): [["tt.divisibility", 16]] for n in names
              if sig[n].startswith("*") or n in ("skh", "sks", "svh", "svs", "SPLIT_LEN")}
