@@ -5,13 +5,14 @@ store the tile to shared memory, wgmma, wait, softmax, decode V, wgmma, wait —
 (docs/kernels_notes.md v9/v10) shows the tensor pipe busy ~16 % of the time. Here the two halves run
 in different warps of one CTA, connected by mbarriers over a ring of NBUF shared-memory stages:
 
-* producer partition (one warp group): reads tile i's packed bytes, decodes them in registers
-  (PTX byte-permute lookups, triton_codec.asm_strings), applies the per-row factor (q8_0 block
-  scales to K; the turbo norm to V), stores fp16 [BLOCK_N, D] K and V tiles into stage i % NBUF
-  and signals `ready`; it waits on `empty` before reusing a stage.
-* consumer partition (the default warps, BLOCK_M // 16 of them: one warp group per 64 query rows):
+* producer (the default partition: one warp group): loads tile i + 1's code words while it decodes
+  tile i in registers (PTX byte-permute lookups, triton_codec.asm_strings via `unpacked`), applies
+  the per-row factors (q8_0 block scales to K, the turbo norms to V), stores fp16 [BLOCK_N, D] K
+  and V tiles into stage i % NBUF and signals `ready`; it waits on `empty` before reusing a stage.
+* consumers (a worker partition of BLOCK_M // 16 warps: one warp group per 64 query rows):
   S = q K^T and O += P V on the tensor cores (wgmma, B operands from shared memory), the online
-  softmax in registers, then releases the stage.
+  softmax in registers (q pre-scaled, so scores come out in log2 units), S of tile i + 1 issued
+  before P V of tile i (FA3's intra-warp-group overlap), then the stage is released.
 
 Every query row of a KV head sits in one CTA (all agents x GQA heads, up to 128 rows), so each
 compressed tile is decoded once per step for all of them — the tile kernel decoded it once per
@@ -55,10 +56,10 @@ def unpacked(asm: str) -> str:
 
 @gluon.jit
 def _asm_words(a, b, f, ASM: gl.constexpr):
-    """int32 words [..] -> fp16 [.., 2, 2] (byte j of each word at [.., j // 2, j % 2]: join
-    appends its new dim last, so the outer join pairs bytes 1 apart) times the
-    factor f (broadcast over a's shape, same layout), by an `unpacked` lookup (b: the second
-    input word — the high-bit plane for turbo3; a again otherwise)."""
+    """int32 words [..] -> fp16 [.., 2, 2], byte j of each word at [.., j // 2, j % 2] (join
+    appends its new dim last: the outer join takes bytes (0, 2) and (1, 3)), times the factor f
+    (broadcast over a's shape, same layout), by an `unpacked` lookup (b: the second input word —
+    the high-bit plane for turbo3; a again otherwise)."""
     o0, o1, o2, o3 = gl.inline_asm_elementwise(
         ASM, "=h,=h,=h,=h,r,r", [a, b], dtype=(gl.float16, gl.float16, gl.float16, gl.float16),
         is_pure=True, pack=1)
