@@ -27,8 +27,9 @@ CPU (tests/kernels/test_gluon_prefix.py) and the GPU suite checks it against ker
 
 from __future__ import annotations
 
+import functools
+
 import torch
-import triton
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared, mbarrier,
@@ -40,6 +41,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared
 CONSUMER_REGS = 200
 
 
+@functools.lru_cache(maxsize=None)
 def unpacked(asm: str) -> str:
     """A triton_codec PTX lookup (inputs $2, $3: 4 packed bytes each; outputs $0, $1: two fp16
     pairs) rewritten for one 32-bit word per element: inputs $4, $5, outputs $0..$3 one fp16
@@ -377,13 +379,13 @@ def ws_prefix(qp: torch.Tensor, chunks, total_rows: int, k_codec, v_codec, *, sm
     None: the H200 defaults, docs/kernels_notes.md v11): row tile (64 up to 64 rows, else 128),
     key tile, stages, registers per consumer thread / per thread of the CTA, the producer's
     register prefetch, the consumers' S / PV overlap, programs."""
-    from .triton_codec import asm_strings
+    from .triton_codec import asm_strings, cdiv
     from .triton_decode import _strides, combine_splits, num_programs_target, plan_split_len
 
     _, Hkv, M, D = qp.shape
     dev = qp.device
     block_m = block_m or (64 if M <= 64 else 128)
-    n_mt = triton.cdiv(M, block_m)
+    n_mt = cdiv(M, block_m)
     # H200 sweep (v11): 128-row tiles — 12 warps at 168 registers, one CTA per SM; 64-row tiles
     # (up to 16 agents) — 8 warps at 128 registers, two CTAs per SM (100 vs 126 us at 8 agents)
     two = block_m == 64
@@ -391,7 +393,7 @@ def ws_prefix(qp: torch.Tensor, chunks, total_rows: int, k_codec, v_codec, *, sm
     consumer_regs = consumer_regs or (152 if two else CONSUMER_REGS)
     target = target_programs or num_programs_target(dev) // (2 if two else 4)
     split_len = plan_split_len(total_rows, Hkv * n_mt, target, block_n, max_split)
-    n_splits = max(1, triton.cdiv(total_rows, split_len))
+    n_splits = max(1, cdiv(total_rows, split_len))
     o_part = torch.empty(Hkv * M * n_splits * D, dtype=torch.float32, device=dev)
     l_part = torch.empty(Hkv * M * n_splits, dtype=torch.float32, device=dev)
     ka, va = unpacked(asm_strings(k_codec)[0]), [unpacked(a) for a in asm_strings(v_codec)]
@@ -406,7 +408,7 @@ def ws_prefix(qp: torch.Tensor, chunks, total_rows: int, k_codec, v_codec, *, sm
             raise ValueError("the warp-specialised prefix pass reads codes as 4-byte words: "
                              "their strides and base must be multiples of 4 bytes")
         rows = kp.codes.shape[2]
-        _ws_prefix_kernel[(Hkv, max(1, triton.cdiv(rows, split_len)), n_mt)](
+        _ws_prefix_kernel[(Hkv, max(1, cdiv(rows, split_len)), n_mt)](
             qc, kc, ks, vc, vs, lens, o_part, l_part,
             kcs[1] // 4, kcs[2] // 4, kss[1], kss[2], vcs[1] // 4, vcs[2] // 4, vss[1], vss[2],
             M, split_len, n_splits, row0 // split_len, sm_scale * 1.4426950408889634,

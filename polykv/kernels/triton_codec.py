@@ -115,8 +115,32 @@ ASM_Q8 = (_REGS + "xor.b32 a, $2, 0x80808080; mov.b32 x, 0x64646464; prmt.b32 l,
           "sub.f16x2 $1, h, y; }")  # int8 -> fp16 exactly: fp16(0x6400 | (q ^ 0x80)) - 1152
 
 
+def cdiv(a: int, b: int) -> int:
+    """Host-side ceil(a / b) for launch arithmetic (triton.cdiv is a ConstexprFunction: ~2 µs a
+    call, and an eager attention call made a dozen of them)."""
+    return -(-a // b)
+
+
+def next_pow2(n: int) -> int:
+    """Host-side smallest power of two >= n, as triton.next_power_of_2 (0 for 0)."""
+    return 1 << (n - 1).bit_length() if n > 0 else 0
+
+
+_ASM: dict = {}
+
+
 def asm_strings(codec: Codec) -> tuple[str, ...]:
-    """Eight PTX strings (one per phase, "" when unused) for DEC=1."""
+    """Eight PTX strings (one per phase, "" when unused) for DEC=1. Built once per codec type,
+    name and head_dim (a turbo codebook depends on its bits and group only): building them costs
+    ~0.2-0.4 ms of host time, which every eager attention call paid."""
+    key = (type(codec).__name__, codec.name, codec.head_dim)
+    out = _ASM.get(key)
+    if out is None:
+        out = _ASM[key] = _build_asm_strings(codec)
+    return out
+
+
+def _build_asm_strings(codec: Codec) -> tuple[str, ...]:
     m = codec_meta(codec)
     out = [""] * 8
     if m["KIND"] == KIND_Q8:

@@ -19,8 +19,8 @@ import triton.language as tl
 
 from ..codecs import Packed
 from ..codecs.rotation import rotation_matrix
-from .triton_codec import (asm_ok, asm_strings, codec_meta, load_tile, perm_cols, phase_meta,
-                           phase_ok, phase_tile, placeholder)
+from .triton_codec import (asm_ok, asm_strings, cdiv, codec_meta, load_tile, next_pow2,
+                           perm_cols, phase_meta, phase_ok, phase_tile, placeholder)
 
 LOG2E = 1.4426950408889634
 LN2 = 0.6931471805599453
@@ -404,8 +404,8 @@ def decode_prepared(qp: torch.Tensor, n_q: int, k: Packed, v: Packed, k_codec, v
     kcent = k_codec.tables(dev)[0] if km["KIND"] == 3 else placeholder(dev)
     vcent = v_codec.tables(dev)[0] if vm["KIND"] == 3 else placeholder(dev)
     # the phase kernel puts the rows on the mma's N (8 is its smallest tile); the tile kernel on M
-    BLOCK_M = max(8 if phase else 16, min(block_m_max, triton.next_power_of_2(M)))
-    n_mt = triton.cdiv(M, BLOCK_M)
+    BLOCK_M = max(8 if phase else 16, min(block_m_max, next_pow2(M)))
+    n_mt = cdiv(M, BLOCK_M)
     extra = {} if maxnreg is None else {"maxnreg": int(maxnreg)}
     if phase:
         # H200 v5 sweep (docs/kernels_notes.md): one warp per program for the decode rows
@@ -418,7 +418,7 @@ def decode_prepared(qp: torch.Tensor, n_q: int, k: Packed, v: Packed, k_codec, v
         # every byte chunk [BLOCK_N, W] must give each thread >= 4 elements (no replicated tiny
         # tiles; the inline-asm lookup packs 4): raise BLOCK_N where a chunk would be too small
         w_min = min(km["GW"] // km["NPH"], vm["GW"] // vm["NPH"])
-        n_min = triton.next_power_of_2(triton.cdiv(4 * 32 * num_warps, w_min))
+        n_min = next_pow2(cdiv(4 * 32 * num_warps, w_min))
         BLOCK_N = max(BLOCK_N, n_min)
     paged = page_table is not None
     if paged:  # one page per tile: the tile shrinks to the page, never below the layout minimum
@@ -437,7 +437,7 @@ def decode_prepared(qp: torch.Tensor, n_q: int, k: Packed, v: Packed, k_codec, v
         split_len = plan_split_len(S, B * Hkv * n_mt, target, BLOCK_N, max_split)
     elif split_len % BLOCK_N:
         raise ValueError(f"split_len {split_len} is not a multiple of the key tile ({BLOCK_N})")
-    n_splits = max(1, triton.cdiv(S, split_len))
+    n_splits = max(1, cdiv(S, split_len))
     o_part = torch.empty(B * Hkv * M * n_splits * D, dtype=torch.float32, device=dev)
     l_part = torch.empty(B * Hkv * M * n_splits, dtype=torch.float32, device=dev)
     key = (km["KIND"], km["BITS"], vm["KIND"], vm["BITS"], impl)
@@ -475,7 +475,7 @@ def decode_prepared(qp: torch.Tensor, n_q: int, k: Packed, v: Packed, k_codec, v
         kc, ks, kcs, kss = _strides(kp, kp.codes.shape[0] == 1 and B > 1)
         vc, vs, vcs, vss = _strides(vp, vp.codes.shape[0] == 1 and B > 1)
         rows = S if paged else kp.codes.shape[2]
-        kernel[(B * Hkv, max(1, triton.cdiv(rows, split_len)), n_mt)](
+        kernel[(B * Hkv, max(1, cdiv(rows, split_len)), n_mt)](
             qp, kc, ks, vc, vs, kcent, vcent, lens,
             lens if kv_start is None else kv_start.to(device=dev, dtype=torch.int32),
             page_table, o_part, l_part,
@@ -512,10 +512,10 @@ def plan_split_len(S: int, groups: int, target: int, block_n: int, max_split: in
     up (fewer splits, at most 2x) and at most max_split, so that the splits tile any chunking of
     the keys at multiples of max_split rows (the host tier's prefix chunks: the streamed cascade
     computes the very splits of the resident one)."""
-    n_splits = max(1, min(triton.cdiv(S, block_n), triton.cdiv(target, groups)))
-    split_len = triton.cdiv(triton.cdiv(S, n_splits), block_n) * block_n
+    n_splits = max(1, min(cdiv(S, block_n), cdiv(target, groups)))
+    split_len = cdiv(cdiv(S, n_splits), block_n) * block_n
     if max_split:
-        split_len = max(block_n, min(max_split, triton.next_power_of_2(split_len)))
+        split_len = max(block_n, min(max_split, next_pow2(split_len)))
     return split_len
 
 
@@ -532,7 +532,7 @@ def combine_splits(o_part: torch.Tensor, l_part: torch.Tensor, n_splits: int, sh
     lse = torch.empty(shape[:-1], dtype=torch.float32, device=dev)
     rot = rotation_matrix(v_codec.group, dev) if unrot else placeholder(dev)
     _combine_kernel[(rows,)](o_part, l_part, out, lse, rot, n_splits, D=D,
-                             NS_P2=triton.next_power_of_2(n_splits),
+                             NS_P2=next_pow2(n_splits),
                              G=v_codec.group if unrot else D, UNROT=unrot)
     return out, lse
 

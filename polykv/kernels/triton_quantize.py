@@ -18,7 +18,7 @@ import triton.language as tl
 from triton.runtime.errors import OutOfResources
 
 from ..codecs import Packed, rotation_matrix
-from .triton_codec import codec_meta, placeholder
+from .triton_codec import cdiv, codec_meta, next_pow2, placeholder
 
 
 @triton.jit
@@ -218,13 +218,13 @@ def quantize_into_triton(dst: Packed, x: torch.Tensor, codec, positions: torch.T
     chosen = block_t is not None
     if block_t is None:  # H200 sweep (docs/kernels_notes.md, quantize): 128-row turbo tiles on 8 warps
         # (at most 128 x 128 values a tile: D = 256 at 128 rows needed 240 KB of shared memory)
-        block_t = (min(16384 // D, max(16, triton.next_power_of_2(T))) if turbo else (32 if T >= 32 else 16))
+        block_t = (min(16384 // D, max(16, next_pow2(T))) if turbo else (32 if T >= 32 else 16))
         block_t = min(block_t, _TILE_CAP.get(cap_key, block_t))
     if programs_per_sm is None:  # H200, v10 builds: turbo3 69.1 us at 2 per SM, 72.1 at 4, 78.7 at 8
         programs_per_sm = 2 if turbo else 0
     while True:
-        n_tiles = triton.cdiv(T, block_t)
-        per_head = (max(1, triton.cdiv(programs_per_sm * _sm_count(dev), B * Hkv)) if programs_per_sm > 0
+        n_tiles = cdiv(T, block_t)
+        per_head = (max(1, cdiv(programs_per_sm * _sm_count(dev), B * Hkv)) if programs_per_sm > 0
                     else n_tiles)
         try:
             _quantize_kernel[(B * Hkv, min(n_tiles, per_head))](
