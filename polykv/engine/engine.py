@@ -24,6 +24,21 @@ logits and each request's `Sampler` draws the same way on the host. A request's 
 (its seed, its token index, the vocabulary id): a seeded request gives the same tokens whatever runs
 beside it; an unseeded one gets a seed drawn once at admission.
 
+Pipelined decode (``Engine(pipelined=True)``, the default; POLYKV_ENGINE_PIPELINED=0 turns it off):
+a device-path batch without speculation steps one step ahead, as `SharedKVPool.generate` does
+(`AgentBatch.step_tokens_ahead`, docs/pool.md): each iteration launches its step t+1 — step t's
+chosen ids fed back on the device, plus the prompt prefill of requests admitted since — and only
+then reads step t's ids and applies the per-request rules to them (`_step_ahead`). A request ending
+by ``max_tokens`` on its token in flight leaves the batch before the launch; one ending on a token
+of step t (eos, a stop string), cancelled or failed, has been fed into step t+1 already: it is
+removed and that step's token for it is never read or emitted. The events of every request equal
+the synchronous loop's (tests/engine/test_pipelined.py). Speculating batches (drafts depend on the
+ids just read), batches without a device path (DenseBatch) and ``pipelined=False`` run the
+synchronous ``step_tokens`` + ``feed`` loop; a pipelined batch that a speculating request joins
+reads its step in flight and goes on synchronously. ``on_step`` / ``last_step_s`` of a pipelined
+batch: once per step read, the seconds spent launching the next step and waiting for this one's ids
+(with one batch and a device running ahead: the step's period, not one step's device time).
+
 Speculative decoding (``GenerationRequest.speculative``, a `polykv.spec.SpecConfig`; documents only):
 the batch's `Speculator` (one per document batch, over the pool's n-gram index and outputs tree of the
 document) drafts after each fed token, every agent cut to the one width its `WidthPlanner` finds worth
@@ -34,11 +49,13 @@ request's drafted / accepted tokens and verify steps.
 
 Failures stay with the request that caused them:
 
-* A batch whose ``step()`` raises is not stepped again (it may hold half-applied state: some agents'
-  inputs consumed, others not). Its agents move to a new batch of the same document, each re-added
-  with its whole history (prompt + tokens so far) and stepped alone: an agent whose input fails
-  fails alone, with its own error; the others go on (their next token comes from a recomputed
-  suffix). One step failure costs one forward per agent of that batch, once.
+* A batch whose step (``step()``, ``step_tokens()``, a pipelined launch or read of ids) raises is
+  not stepped again (it may hold half-applied state: some agents' inputs consumed, others not). Its
+  agents move to a new batch of the same document, each re-added with its whole history (prompt +
+  tokens so far) and stepped alone: an agent whose input fails fails alone, with its own error; the
+  others go on (their next token comes from a recomputed suffix; a pipelined batch's step in flight
+  is dropped unread and recomputed this way). One step failure costs one forward per agent of that
+  batch, once.
 * Sampling, detokenizing and stop checks run per agent: an error there fails that agent only.
 * Anything else that escapes an iteration of the loop is caught by a supervisor, which fails the
   running requests (their batches cannot be trusted), keeps the waiting ones, and restarts the loop
@@ -57,6 +74,7 @@ import asyncio
 import concurrent.futures
 import itertools
 import logging
+import os
 import queue
 import threading
 import time
@@ -188,7 +206,7 @@ def _fold_event(ev, parts: list[str]) -> tuple[str, str, dict] | None:
 class _Live:
     """Engine-thread state of one running request."""
 
-    __slots__ = ("handle", "sampler", "stop", "tokens", "text_sent", "key", "aid", "eos", "spec", "drafted")
+    __slots__ = ("handle", "sampler", "stop", "tokens", "text_sent", "key", "aid", "eos", "spec", "drafted", "left")
 
     def __init__(self, handle: RequestHandle, key, aid, eos: frozenset[int]):
         p = handle.request.params
@@ -202,6 +220,7 @@ class _Live:
         self.eos = eos
         self.spec = None  # {"drafted", "accepted", "steps"} while the request speculates
         self.drafted = 0  # drafts queued for its next step
+        self.left = False  # pipelined: removed from its batch already (its token in flight is its last)
 
 
 _PLAIN = ("plain",)  # batch key of requests without a document
@@ -212,13 +231,17 @@ class Engine:
 
     ``pool``: anything with ``open_batch(doc) -> AgentBatch`` (SharedKVPool, DensePool); may be None
     for plain requests only. ``model``/``tok`` default to ``pool.model``/``pool.tok``.
-    ``on_step(seconds, n_agents)`` is called after every batch step (metrics).
+    ``on_step(seconds, n_agents)`` is called after every batch step (metrics; a pipelined batch: once
+    per step whose ids were read, see `_step_ahead`). ``pipelined`` (default: on unless the
+    environment sets POLYKV_ENGINE_PIPELINED=0): plain device-path batches decode one step ahead
+    (`AgentBatch.step_tokens_ahead`); False keeps the synchronous ``step_tokens`` + ``feed`` loop.
     """
 
     def __init__(self, pool=None, model=None, tok=None, *, max_agents: int = 64,
                  max_prefill_per_step: int = 32, prefill_token_budget: int = 2048, max_waiting: int = 1024,
                  on_step: Callable[[float, int], None] | None = None,
-                 plain_batch_factory: Callable[[], Any] | None = None, num_threads: int | None = None):
+                 plain_batch_factory: Callable[[], Any] | None = None, num_threads: int | None = None,
+                 pipelined: bool | None = None):
         self.pool = pool
         self.model = model if model is not None else getattr(pool, "model", None)
         self.tok = tok if tok is not None else getattr(pool, "tok", None)
@@ -232,11 +255,17 @@ class Engine:
         self.on_step = on_step
         self._plain_factory = plain_batch_factory or (lambda: DenseBatch(self.model))
         self.eos_ids = stop_token_ids(self.tok, self.model)
+        if pipelined is None:
+            pipelined = os.environ.get("POLYKV_ENGINE_PIPELINED", "1") != "0"
+        self.pipelined = bool(pipelined)
 
         self._inbox: queue.Queue = queue.Queue()  # ("submit", handle) | ("call", fn, fut) | ("wake",)
         self._waiting: deque[RequestHandle] = deque()
         self._batches: dict[Any, Any] = {}
         self._specs: dict[Any, Any] = {}  # document -> polykv.spec.Speculator of its batch
+        # pipelined batches: key -> (PendingTokens of the step in flight, seconds of its launch when
+        # no step was read with it: reported with its read)
+        self._ahead: dict[Any, tuple[Any, float]] = {}
         self._live: dict[tuple, _Live] = {}  # (key, aid) -> state
         self._doc_users: dict[Any, int] = {}  # document -> live+waiting requests
         self._users_lock = threading.Lock()
@@ -428,6 +457,7 @@ class Engine:
             self._live.pop((st.key, st.aid), None)
             self._add_user(st.handle.request.document, -1)
             st.handle._put(Event("error", error=exc))
+        self._ahead.clear()
         for key in list(self._batches):
             self._close_batch(self._batches.pop(key))
 
@@ -459,7 +489,7 @@ class Engine:
             if spec is not None:
                 spec.remove(st.aid)
             batch = self._batches.get(st.key)
-            if batch is not None:
+            if batch is not None and not st.left:
                 try:
                     batch.remove(st.aid)
                 except Exception:  # pragma: no cover
@@ -496,6 +526,7 @@ class Engine:
         for key in [k for k, b in self._batches.items() if len(b) == 0]:
             self._close_batch(self._batches.pop(key))
             self._specs.pop(key, None)
+            self._ahead.pop(key, None)  # its ids in flight belong to agents gone
 
     def _new_batch(self, key):
         if key is _PLAIN:
@@ -556,6 +587,13 @@ class Engine:
             batch = self._batches.get(key)
             if batch is None or len(batch) == 0:
                 continue
+            if self._pipelines(key, batch):
+                self._step_ahead(key, batch)
+                continue
+            if key in self._ahead:  # a speculating request joined: read the step in flight, then go on synchronously
+                batch = self._drain_ahead(key, batch)
+                if batch is None or len(batch) == 0:
+                    continue
             spec = self._specs.get(key)
             if spec is not None:  # a decode step (no prompt prefilled in it) prices draft columns
                 mine = [st for (k, _), st in self._live.items() if k == key]
@@ -565,9 +603,7 @@ class Engine:
             try:
                 logits = self._step_batch(key, batch)
             except Exception as exc:
-                self.step_failures += 1
-                log.warning("step of batch %r failed (%s: %s); isolating the failing agent(s)",
-                            key, type(exc).__name__, exc)
+                self._step_failed(key, exc)
                 logits = self._isolate(key, batch)
                 batch = self._batches.get(key)
                 if batch is None:
@@ -575,67 +611,165 @@ class Engine:
             dt = time.perf_counter() - t0
             if spec is not None and timed:
                 spec.observe_step(width, dt, agents=len(logits))
-            self.steps += 1
-            self.last_step_s = dt
-            if self.on_step is not None:
-                try:
-                    self.on_step(dt, len(logits))
-                except Exception:  # pragma: no cover
-                    log.exception("on_step callback failed")
-            feed: dict = {}
-            limits: dict = {}  # speculating agents: drafts they may still use
-            spec = self._specs.get(key)
-            for aid, lg in logits.items():
-                st = self._live.get((key, aid))
-                if st is None:
-                    continue
-                if st.handle.cancelled:
-                    self._finish(st, st.handle, Event("done", finish_reason="cancelled",
-                                                      usage=_usage(st.handle, len(st.tokens), st)))
-                    continue
-                try:
-                    if isinstance(lg, list):  # step_verify: accepted drafts + the next token
-                        emitted = lg
-                    elif isinstance(lg, int):
-                        emitted = [lg]
-                    else:  # a batch without a device path: draw on the host
-                        st.sampler.index = len(st.tokens)
-                        emitted = [st.sampler(lg)]
-                    if st.spec is not None and st.drafted:
-                        st.spec["drafted"] += st.drafted
-                        st.spec["accepted"] += len(emitted) - 1
-                        st.spec["steps"] += 1
-                    if spec is not None and aid in spec:
-                        spec.record(aid, emitted, st.drafted)
-                    st.drafted = 0
-                    going = True
-                    for tok in emitted:
-                        going = self._advance(st, tok)
-                        if not going:
-                            break
-                    if going:
-                        feed[aid] = emitted[-1]
-                        if spec is not None and aid in spec:
-                            limits[aid] = st.handle.request.params.max_tokens - len(st.tokens) - 1
-                except Exception as exc:  # this agent's sampling / detokenizing / stop check
-                    log.exception("request %s failed after a step", st.handle.request.request_id)
-                    self._fail(st, exc)
-            self._feed(key, batch, feed)
-            drafts: dict = {}
-            if limits:  # one draft width for the batch step (WidthPlanner), as pool.generate
-                try:
-                    drafts = spec.propose_all({a: n for a, n in limits.items() if a in feed}, agents=len(feed))
-                except Exception:  # pragma: no cover - drafts are optional: go on without them
-                    log.exception("drafting failed")
-            drafts = {a: d for a, d in drafts.items() if d and a in feed}
-            if drafts:
-                try:
-                    batch.feed_drafts(drafts)
-                    for a, d in drafts.items():
-                        self._live[(key, a)].drafted = len(d)
-                except Exception:  # pragma: no cover - drafts are optional: go on without them
-                    log.exception("queueing drafts failed")
+            self._stepped(dt, len(logits))
+            self._apply(key, batch, logits)
         self._close_empty()
+
+    def _apply(self, key, batch, logits: dict) -> None:
+        """The synchronous loop after a step: each agent's output through `_take`, the tokens of those
+        going on fed to `batch`, then the next drafts of speculating agents."""
+        feed: dict = {}
+        limits: dict = {}  # speculating agents: drafts they may still use
+        spec = self._specs.get(key)
+        for aid, lg in logits.items():
+            st = self._live.get((key, aid))
+            if st is None:
+                continue
+            last = self._take(st, lg, spec)
+            if last is not None:
+                feed[aid] = last
+                if spec is not None and aid in spec:
+                    limits[aid] = st.handle.request.params.max_tokens - len(st.tokens) - 1
+        self._feed(key, batch, feed)
+        drafts: dict = {}
+        if limits:  # one draft width for the batch step (WidthPlanner), as pool.generate
+            try:
+                drafts = spec.propose_all({a: n for a, n in limits.items() if a in feed}, agents=len(feed))
+            except Exception:  # pragma: no cover - drafts are optional: go on without them
+                log.exception("drafting failed")
+        drafts = {a: d for a, d in drafts.items() if d and a in feed}
+        if drafts:
+            try:
+                batch.feed_drafts(drafts)
+                for a, d in drafts.items():
+                    self._live[(key, a)].drafted = len(d)
+            except Exception:  # pragma: no cover - drafts are optional: go on without them
+                log.exception("queueing drafts failed")
+
+    def _take(self, st: _Live, lg, spec) -> int | None:
+        """One agent's output of a step (a token id, a list of them from `step_verify`, or logits to
+        draw from on the host) through cancellation, eos / stop / max_tokens (`_advance`) and the
+        speculation counters. Returns the token to feed when the request goes on, else None (it has
+        finished or failed: `_finish` took it out of its batch)."""
+        if st.handle.cancelled:
+            self._finish(st, st.handle, Event("done", finish_reason="cancelled",
+                                              usage=_usage(st.handle, len(st.tokens), st)))
+            return None
+        try:
+            if isinstance(lg, list):  # step_verify: accepted drafts + the next token
+                emitted = lg
+            elif isinstance(lg, int):
+                emitted = [lg]
+            else:  # a batch without a device path: draw on the host
+                st.sampler.index = len(st.tokens)
+                emitted = [st.sampler(lg)]
+            if st.spec is not None and st.drafted:
+                st.spec["drafted"] += st.drafted
+                st.spec["accepted"] += len(emitted) - 1
+                st.spec["steps"] += 1
+            if spec is not None and st.aid in spec:
+                spec.record(st.aid, emitted, st.drafted)
+            st.drafted = 0
+            for tok in emitted:
+                if not self._advance(st, tok):
+                    return None
+            return emitted[-1]
+        except Exception as exc:  # this agent's sampling / detokenizing / stop check
+            log.exception("request %s failed after a step", st.handle.request.request_id)
+            self._fail(st, exc)
+            return None
+
+    def _stepped(self, dt: float, n: int) -> None:
+        self.steps += 1
+        self.last_step_s = dt
+        if self.on_step is not None:
+            try:
+                self.on_step(dt, n)
+            except Exception:  # pragma: no cover
+                log.exception("on_step callback failed")
+
+    def _step_failed(self, key, exc: BaseException) -> None:
+        self.step_failures += 1
+        log.warning("step of batch %r failed (%s: %s); isolating the failing agent(s)",
+                    key, type(exc).__name__, exc)
+
+    def _pipelines(self, key, batch) -> bool:
+        """Whether `batch` decodes one step ahead: a device-path batch with `step_tokens_ahead`,
+        without speculation (drafts depend on the ids just read), in a pipelined engine."""
+        return (self.pipelined and key not in self._specs and _device_path(batch)
+                and hasattr(batch, "step_tokens_ahead"))
+
+    def _step_ahead(self, key, batch) -> None:
+        """One iteration of a pipelined batch (`AgentBatch.step_tokens_ahead`, as
+        `SharedKVPool.generate`): agents whose token in flight (step t) is their last by count leave
+        the batch; step t+1 is launched — the decode of the others, fed step t's ids on the device,
+        and the prompt prefill of requests admitted since — then step t's ids are read and go through
+        the same per-agent rules as a synchronous step (`_take`). An agent that ends on a token of
+        step t (eos, a stop string), is cancelled or fails, has been fed into step t+1 already: it is
+        removed from the batch and its token of step t+1 is never read or emitted.
+
+        Timing: ``on_step(dt, n)`` / ``last_step_s`` once per step read: dt = seconds this iteration
+        spent launching step t+1 and waiting for step t's ids (+ the launch of step t when it was
+        the batch's first, read with nothing); n = agents of step t. With one batch and a device
+        that runs ahead this is the step's period, not the device time of one step.
+
+        A launch or read that raises is a failed step: the step in flight is dropped unread and the
+        batch's agents are isolated (`_isolate`: re-added with their history, stepped alone,
+        synchronously; the batch pipelines again from its next iteration)."""
+        ahead, spent = self._ahead.pop(key, (None, 0.0))
+        t0 = time.perf_counter()
+        if ahead is not None:
+            for aid in ahead.agents:
+                st = self._live.get((key, aid))
+                if st is not None and not st.left and len(st.tokens) + 1 >= st.handle.request.params.max_tokens:
+                    batch.remove(aid)  # leaves before the launch: nothing of step t+1 is spent on it
+                    st.left = True
+        try:
+            nxt = batch.step_tokens_ahead() if len(batch) else None
+            chosen = ahead.result() if ahead is not None else None
+        except Exception as exc:
+            self._recover(key, batch, exc, spent + time.perf_counter() - t0)
+            return
+        dt = spent + time.perf_counter() - t0
+        if chosen is not None:
+            self._stepped(dt, len(chosen))
+            for aid in ahead.agents:
+                st = self._live.get((key, aid))
+                if st is not None:  # else cancelled or failed since the launch: its token is dropped
+                    self._take(st, chosen[aid], None)  # fed already (on the device): nothing to feed
+            dt = 0.0
+        if nxt is not None:
+            self._ahead[key] = (nxt, dt)
+
+    def _recover(self, key, batch, exc: BaseException, spent: float):
+        """A pipelined launch or read raised: its step in flight (popped from `_ahead`) is dropped
+        unread; `_isolate` re-adds the agents with their history and steps them alone (synchronously),
+        and their tokens are applied and fed. Returns the batch that replaced `batch` (or None)."""
+        t0 = time.perf_counter()
+        self._step_failed(key, exc)
+        out = self._isolate(key, batch)
+        batch = self._batches.get(key)
+        self._stepped(spent + time.perf_counter() - t0, len(out))
+        if batch is not None:
+            self._apply(key, batch, out)
+        return batch
+
+    def _drain_ahead(self, key, batch):
+        """A pipelined batch goes synchronous (a speculating request joined it): read its step in
+        flight and apply it; its ids become the agents' pending tokens (`PendingTokens.result`), as
+        a synchronous `feed` leaves them. Returns the batch to step (None when it was lost)."""
+        ahead, spent = self._ahead.pop(key)
+        t0 = time.perf_counter()
+        try:
+            chosen = ahead.result()
+        except Exception as exc:
+            return self._recover(key, batch, exc, spent + time.perf_counter() - t0)
+        self._stepped(spent + time.perf_counter() - t0, len(chosen))
+        for aid in ahead.agents:
+            st = self._live.get((key, aid))
+            if st is not None:
+                self._take(st, chosen[aid], None)
+        return batch
 
     def _step_batch(self, key, batch) -> dict:
         """One step of a batch: {aid: token id} chosen on the batch's device (`AgentBatch.step_tokens`
@@ -679,7 +813,7 @@ class Engine:
             return {}
         for st in lives:
             self._live.pop((key, st.aid), None)
-            st.spec, st.drafted = None, 0  # re-added agents go on without speculation
+            st.spec, st.drafted, st.left = None, 0, False  # re-added agents go on without speculation
         self._specs.pop(key, None)
         self._batches[key] = batch
         self._close_batch(failed)
@@ -764,6 +898,7 @@ class Engine:
                 fut = item[4]
                 if fut.set_running_or_notify_cancel():
                     fut.set_exception(err)
+        self._ahead.clear()
         for key in list(self._batches):
             try:
                 self._batches.pop(key).close()

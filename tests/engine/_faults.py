@@ -20,8 +20,10 @@ class FaultyBatch:
         self.poison = poison
         self.fail_steps = fail_steps
         self.pending: dict[int, list[int]] = {}
-        if hasattr(inner, "step_tokens"):  # the engine's greedy path: the same faults apply
+        if hasattr(inner, "step_tokens"):  # the engine's device paths: the same faults apply
             self.step_tokens = lambda *a, **k: self._faulty(lambda: inner.step_tokens(*a, **k))
+        if hasattr(inner, "step_tokens_ahead"):  # pipelined: fails after launching the step
+            self.step_tokens_ahead = lambda *a, **k: self._faulty(lambda: inner.step_tokens_ahead(*a, **k))
 
     def add(self, ids) -> int:
         aid = self.inner.add(ids)

@@ -76,16 +76,20 @@ def test_greedy_agents_equal_argmax_of_step(setup):
             b2.feed(got)
 
 
-def test_engine_mixed_batch_one_host_copy_per_step(setup, monkeypatch):
+@pytest.mark.parametrize("pipelined", [False, True], ids=["sync", "pipelined"])
+def test_engine_mixed_batch_one_host_copy_per_step(setup, monkeypatch, pipelined):
     """A document batch of greedy and sampling requests (joining at different steps, so prefill and
     decode forwards share a step) makes exactly one device-to-host copy of ids per step and never
     copies logits (step() is not called); a seeded request's answer does not depend on its
-    neighbours, and the greedy one equals its answer alone."""
+    neighbours, and the greedy one equals its answer alone. Pipelined: every step is a
+    step_tokens_ahead whose ids are read once (PendingTokens.result), none through step_tokens."""
     from polykv.pool import agents
 
     _, tok, pool, doc = setup
-    copies, steps = [], []
-    orig_copy, orig_tokens = agents._to_host, agents.AgentBatch.step_tokens
+    copies, steps, reads = [], [], []
+    orig_copy = agents._to_host
+    stepper = "step_tokens_ahead" if pipelined else "step_tokens"
+    orig_tokens, orig_result = getattr(agents.AgentBatch, stepper), agents.PendingTokens.result
 
     def copy(ids):
         copies.append(ids.numel())
@@ -95,17 +99,23 @@ def test_engine_mixed_batch_one_host_copy_per_step(setup, monkeypatch):
         steps.append(len(self))
         return orig_tokens(self, *a, **k)
 
+    def result(self):
+        if self._out is None:
+            reads.append(len(self.agents))
+        return orig_result(self)
+
     def no_step(self):
         raise AssertionError("AgentBatch.step() copies logits to the host")
 
     monkeypatch.setattr(agents, "_to_host", copy)
-    monkeypatch.setattr(agents.AgentBatch, "step_tokens", step_tokens)
+    monkeypatch.setattr(agents.AgentBatch, stepper, step_tokens)
+    monkeypatch.setattr(agents.PendingTokens, "result", result)
     monkeypatch.setattr(agents.AgentBatch, "step", no_step)
     p = tok("Once upon a time", add_special_tokens=False)["input_ids"]
     q = tok("What jumps", add_special_tokens=False)["input_ids"]
     seeded = dict(max_tokens=6, temperature=0.9, top_p=0.95, top_k=40, seed=11, ignore_eos=True)
     greedy = dict(max_tokens=6, temperature=0.0, ignore_eos=True)
-    with Engine(pool, max_prefill_per_step=1) as eng:
+    with Engine(pool, max_prefill_per_step=1, pipelined=pipelined) as eng:
         alone_s = eng.submit(GenerationRequest(p, SamplingParams(**seeded), document=doc)).result_sync(60)[0]
         alone_g = eng.submit(GenerationRequest(q, SamplingParams(**greedy), document=doc)).result_sync(60)[0]
         n_alone = len(steps)
@@ -116,5 +126,8 @@ def test_engine_mixed_batch_one_host_copy_per_step(setup, monkeypatch):
               eng.submit(GenerationRequest(p, SamplingParams(**dict(seeded, seed=12, top_k=0)), document=doc))]
         res = [h.result_sync(60)[0] for h in hs]
     assert res[0] == alone_g and res[2] == alone_s
-    assert len(copies) == len(steps) and len(steps) >= 12
+    if pipelined:  # ends by max_tokens only: every launched step is read, once
+        assert not copies and len(reads) == len(steps) and len(steps) >= 12
+    else:
+        assert len(copies) == len(steps) and len(steps) >= 12 and not reads
     assert max(steps[n_alone:]) >= 3  # requests did share batch steps

@@ -176,14 +176,16 @@ def test_two_documents_batched_separately(setup):
     assert set(by_doc) <= {doc, doc2}
 
 
-def test_document_batches_choose_tokens_on_the_device(setup, monkeypatch):
-    """A document batch steps with AgentBatch.step_tokens (ids chosen where the logits are, no logits
-    copied to the host), whether its requests decode greedily or sample; greedy answers equal
-    pool.generate's."""
+@pytest.mark.parametrize("pipelined", [False, True], ids=["sync", "pipelined"])
+def test_document_batches_choose_tokens_on_the_device(setup, monkeypatch, pipelined):
+    """A document batch steps with AgentBatch.step_tokens (pipelined: step_tokens_ahead; ids chosen
+    where the logits are, no logits copied to the host), whether its requests decode greedily or
+    sample; greedy answers equal pool.generate's."""
     from polykv.pool.agents import AgentBatch
 
     model, tok, pool, doc = setup
-    calls = {"step": 0, "step_tokens": 0}
+    stepper = "step_tokens_ahead" if pipelined else "step_tokens"
+    calls = {"step": 0, "step_tokens": 0, "step_tokens_ahead": 0}
     for name in calls:
         orig = getattr(AgentBatch, name)
 
@@ -193,14 +195,14 @@ def test_document_batches_choose_tokens_on_the_device(setup, monkeypatch):
 
         monkeypatch.setattr(AgentBatch, name, spy)
     prompt = tok("What jumps", add_special_tokens=False)["input_ids"]
-    with Engine(pool) as eng:
+    with Engine(pool, pipelined=pipelined) as eng:
         greedy = eng.submit(GenerationRequest(prompt, SamplingParams(max_tokens=6, temperature=0, ignore_eos=True),
                                               document=doc)).result_sync(timeout=60)[0]
-    assert calls["step_tokens"] >= 6 and calls["step"] == 0
-    want = pool.generate(doc, [prompt], max_new_tokens=6)[0]
+    assert calls[stepper] >= 6 and calls["step"] == 0 and sum(calls.values()) == calls[stepper]
+    want = pool.generate(doc, [prompt], max_new_tokens=6, pipelined=False)[0]
     assert greedy.strip() == want
-    calls.update(step=0, step_tokens=0)
-    with Engine(pool) as eng:
+    calls.update(step=0, step_tokens=0, step_tokens_ahead=0)
+    with Engine(pool, pipelined=pipelined) as eng:
         eng.submit(GenerationRequest(prompt, SamplingParams(max_tokens=4, temperature=0.9, seed=1, ignore_eos=True),
                                      document=doc)).result_sync(timeout=60)
-    assert calls["step_tokens"] >= 4 and calls["step"] == 0
+    assert calls[stepper] >= 4 and calls["step"] == 0 and sum(calls.values()) == calls[stepper]
