@@ -112,7 +112,10 @@ class CompressedLayer:
         dispatch.quantize_into(self.v, v, self.v_codec, positions)
 
     def trim(self, keep: int) -> None:
-        """Keep only the newest `keep` rows (sliding-window layers)."""
+        """Keep only the newest `keep` rows (sliding-window layers). Storage a long chunk grew
+        beyond twice `keep` + one growth step is given back (down to `keep` + one step, room for
+        the next decode steps without regrowing): a Gemma-3 KVCache held every sliding layer at
+        its prefill length, 1,472 rows for a 511-row window (docs/quality.md, 2026-12-02)."""
         if self.length <= keep:
             return
         start = self.length - keep
@@ -121,6 +124,13 @@ class CompressedLayer:
             if p.scales is not None:
                 p.scales[:, :, :keep] = p.scales[:, :, start:self.length].clone()
         self.length = keep
+        room = keep + _MIN_CAPACITY
+        if self.capacity > 2 * room:
+            lead = (self.batch, self.kv_heads, room)
+            k_new, v_new = self.k_codec.empty(lead, self.device), self.v_codec.empty(lead, self.device)
+            _copy_rows(k_new, self.k, keep)
+            _copy_rows(v_new, self.v, keep)
+            self.k, self.v = k_new, v_new
 
     def select_batch(self, index: torch.Tensor) -> None:
         """Reorder / subset the batch rows (beam search, dropping finished sequences)."""
