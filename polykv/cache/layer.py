@@ -113,9 +113,10 @@ class CompressedLayer:
 
     def trim(self, keep: int) -> None:
         """Keep only the newest `keep` rows (sliding-window layers). Storage a long chunk grew
-        beyond twice `keep` + one growth step is given back (down to `keep` + one step, room for
-        the next decode steps without regrowing): a Gemma-3 KVCache held every sliding layer at
-        its prefill length, 1,472 rows for a 511-row window (docs/quality.md, 2026-12-02)."""
+        beyond twice `keep + 1` is given back, down to `keep + 1` rows — room for the next decode
+        step's row, so one-token steps never regrow (a longer chunk regrows by the usual step): a
+        Gemma-3 KVCache held every sliding layer at its prefill length, 1,472 rows for a 511-row
+        window (docs/quality.md, 2026-12-02)."""
         if self.length <= keep:
             return
         start = self.length - keep
@@ -124,7 +125,7 @@ class CompressedLayer:
             if p.scales is not None:
                 p.scales[:, :, :keep] = p.scales[:, :, start:self.length].clone()
         self.length = keep
-        room = keep + _MIN_CAPACITY
+        room = keep + 1
         if self.capacity > 2 * room:
             lead = (self.batch, self.kv_heads, room)
             k_new, v_new = self.k_codec.empty(lead, self.device), self.v_codec.empty(lead, self.device)
