@@ -120,18 +120,20 @@ class CompressedLayer:
         if self.length <= keep:
             return
         start = self.length - keep
-        for p in (self.k, self.v):
-            p.codes[:, :, :keep] = p.codes[:, :, start:self.length].clone()
-            if p.scales is not None:
-                p.scales[:, :, :keep] = p.scales[:, :, start:self.length].clone()
-        self.length = keep
         room = keep + 1
-        if self.capacity > 2 * room:
+        if self.capacity > 2 * room:  # the kept rows go straight into right-sized storage
             lead = (self.batch, self.kv_heads, room)
+            kept = (slice(None), slice(None), slice(start, self.length))
             k_new, v_new = self.k_codec.empty(lead, self.device), self.v_codec.empty(lead, self.device)
-            _copy_rows(k_new, self.k, keep)
-            _copy_rows(v_new, self.v, keep)
+            _write_rows(k_new, self.k.index(kept), slice(0, keep))
+            _write_rows(v_new, self.v.index(kept), slice(0, keep))
             self.k, self.v = k_new, v_new
+        else:
+            for p in (self.k, self.v):
+                p.codes[:, :, :keep] = p.codes[:, :, start:self.length].clone()
+                if p.scales is not None:
+                    p.scales[:, :, :keep] = p.scales[:, :, start:self.length].clone()
+        self.length = keep
 
     def select_batch(self, index: torch.Tensor) -> None:
         """Reorder / subset the batch rows (beam search, dropping finished sequences)."""
