@@ -1,8 +1,8 @@
 """Compressed K/V storage of one attention layer for a batch of sequences.
 
 Rows are encoded on write (InnerQ-scaled first for turbo keys) into preallocated packed storage
-that grows in steps of an eighth of its capacity (`reserve`); nothing dense is kept. Sliding-window layers keep only the newest
-`keep` tokens (`trim`).
+sized to the row by a prompt and grown in steps of an eighth of its capacity by decode (`reserve`);
+nothing dense is kept. Sliding-window layers keep only the newest `keep` tokens (`trim`).
 """
 
 from __future__ import annotations
@@ -48,17 +48,29 @@ class CompressedLayer:
         return 0 if self.k is None else self.k.codes.shape[2]
 
     def reserve(self, needed: int, exact: bool = False) -> None:
-        """Grow storage to hold at least `needed` rows; rows are kept. The first allocation (a
-        prompt) and exact=True take `needed` rounded up to 64 rows, so held bytes track the payload;
-        later growth adds an eighth of the capacity (at least 64 rows): held bytes stay within
-        12.5 % + one 64-row granule of the payload while copies stay amortised (one copy of the
-        rows per ~capacity/8 appended rows, vs doubling's up to 2x held)."""
+        """Grow storage to hold at least `needed` rows; rows are kept.
+
+        - The first allocation (a prompt) and a write the usual step cannot hold (a later prefill
+          chunk) take exactly `needed` rows: held bytes after a prefill are the payload (a SmolLM2
+          KVCache held 1,472 rows for a 1,434-token prompt: 2.65x vs f16 held, 2.72x payload;
+          docs/quality.md, 2026-12-02).
+        - Other growth (decode) adds an eighth of the capacity (at least 64 rows), the new capacity
+          rounded down to a multiple of 64 rows (not below `needed` rounded up): held bytes stay
+          within 12.5 % + one 64-row granule of the payload while copies stay amortised (one copy
+          of the rows per ~capacity/8 appended rows, vs doubling's up to 2x held), and decode runs
+          on 64-aligned storage again after its first step (the fused decode reads turbo norms as
+          int32 pairs only at an even capacity, `triton_decode._scale_layout`).
+        - exact=True (`DecodeGraph`, before capture): `needed` rounded up to 64 rows, no step."""
         if needed <= self.capacity:
             return
-        cap = -(-int(needed) // _MIN_CAPACITY) * _MIN_CAPACITY
-        if self.capacity and not exact:
-            step = max(_MIN_CAPACITY, -(-self.capacity // (8 * _MIN_CAPACITY)) * _MIN_CAPACITY)
-            cap = max(cap, self.capacity + step)
+        needed, c = int(needed), self.capacity
+        step = max(_MIN_CAPACITY, _round_up(-(-c // 8)))
+        if exact:
+            cap = _round_up(needed)
+        elif not c or needed > c + step:
+            cap = needed
+        else:
+            cap = max(_round_up(needed), (c + step) // _MIN_CAPACITY * _MIN_CAPACITY)
         lead = (self.batch, self.kv_heads, cap)
         k_new = self.k_codec.empty(lead, self.device)
         v_new = self.v_codec.empty(lead, self.device)
@@ -200,6 +212,10 @@ class CompressedLayer:
         if self.k is None:
             return 0
         return storage_bytes([self.k.codes, self.k.scales, self.v.codes, self.v.scales])
+
+
+def _round_up(n: int) -> int:
+    return -(-n // _MIN_CAPACITY) * _MIN_CAPACITY
 
 
 def _write_rows(dst: Packed, src: Packed, sl: slice) -> None:

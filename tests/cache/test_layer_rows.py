@@ -1,5 +1,6 @@
 """CompressedLayer.decode_rows / truncate / used_nbytes (methods KVCache relies on)."""
 
+import pytest
 import torch
 
 from polykv.cache import CompressedLayer
@@ -77,3 +78,48 @@ def test_trim_gives_back_storage_a_long_chunk_grew():
     cap = small.capacity
     small.trim(511)  # within twice the window's room: left as it is
     assert small.capacity == cap
+
+
+def _grown(layer, k, v, spans):
+    for a, b in spans:
+        layer.append(k[:, :, a:b], v[:, :, a:b])
+    return layer
+
+
+@pytest.mark.parametrize("spans", [[(0, 1434)], [(0, 512), (512, 1024), (1024, 1434)], [(0, 7)]],
+                         ids=["one-write", "chunked", "short"])
+def test_prefill_holds_exactly_its_rows(spans):
+    """A prompt (one write, or chunks each longer than a growth step) leaves storage of exactly its
+    rows (no 64-row round-up: 1,472 rows held for 1,434); the next one-row decode append grows by the
+    usual step onto 64-aligned storage."""
+    torch.manual_seed(0)
+    n = spans[-1][1]
+    k, v = torch.randn(1, 2, n + 1, 64), torch.randn(1, 2, n + 1, 64)
+    layer = _grown(CompressedLayer.for_types("q8_0", "turbo3", 64, batch=1, kv_heads=2), k, v, spans)
+    assert layer.length == layer.capacity == n
+    assert layer.nbytes() == layer.used_nbytes()
+    layer.append(k[:, :, n:], v[:, :, n:])
+    assert layer.length == n + 1 and layer.capacity % 64 == 0
+    assert layer.capacity - layer.length < max(64, n // 8) + 64
+
+
+def test_exact_prefill_then_decode_is_bit_identical_to_slack_storage():
+    """Exact-to-the-row storage changes capacity only: after a prefill and decode appends across
+    several growth steps, the stored codes and decoded rows equal those of a layer that reserved
+    ample room up front."""
+    torch.manual_seed(2)
+    s = torch.linspace(0.5, 2.0, 64).repeat(2, 1)
+    k, v = torch.randn(1, 2, 1700, 64), torch.randn(1, 2, 1700, 64)
+    spans = [(0, 1434)] + [(t, t + 1) for t in range(1434, 1700)]
+    exact = CompressedLayer.for_types("turbo4", "turbo3", 64, batch=1, kv_heads=2, key_scales=s)
+    slack = CompressedLayer.for_types("turbo4", "turbo3", 64, batch=1, kv_heads=2, key_scales=s)
+    slack.reserve(2048, exact=True)
+    _grown(exact, k, v, spans[:1])
+    assert exact.capacity == 1434 and slack.capacity == 2048
+    _grown(exact, k, v, spans[1:])
+    _grown(slack, k, v, spans)
+    assert exact.capacity < slack.capacity == 2048
+    for a, b in ((exact.keys(), slack.keys()), (exact.values(), slack.values())):
+        assert torch.equal(a.codes, b.codes) and torch.equal(a.scales, b.scales)
+    for a, b in zip(exact.dense(), slack.dense()):
+        assert torch.equal(a, b)

@@ -331,6 +331,41 @@ def test_bytes_are_measured_and_no_dense_shadow():
         assert sum(t.numel() for p, t in reachable_tensors(c) if "_codec." in p) <= 2 * 16  # codebooks
 
 
+def test_prefill_holds_exactly_its_rows_and_decode_matches_slack_storage(monkeypatch):
+    """After a 131-token prompt every layer holds exactly 131 rows (held bytes = payload; the
+    64-row round-up held 192); decode steps then grow the storage and give logits bit-identical to
+    a KVCache whose layers reserved ample room before their first write."""
+    from polykv.cache import CompressedLayer
+    from polykv.hf import kv_cache as kv_mod
+
+    class Slack(CompressedLayer):
+        def append(self, k, v):
+            self.reserve(512, exact=True)
+            super().append(k, v)
+
+    m = tiny_llama()
+    ids = torch.randint(1, 97, (1, 131))
+    exact, slack = KVCache(m, "q8_0", "turbo3"), KVCache(m, "q8_0", "turbo3")
+
+    def step(x):
+        with torch.inference_mode():
+            a = m(input_ids=x, past_key_values=exact).logits
+            with monkeypatch.context() as mp:
+                mp.setattr(kv_mod, "CompressedLayer", Slack)
+                b = m(input_ids=x, past_key_values=slack).logits
+        assert torch.equal(a, b)
+        return a[:, -1:].argmax(-1)
+
+    nxt = step(ids)
+    assert [lay.store.capacity for lay in exact.layers] == [131] * 3
+    assert [lay.store.capacity for lay in slack.layers] == [512] * 3
+    rep = exact.memory_report()
+    assert exact.nbytes() == rep["kv_bytes"] == rep["kv_bytes_used"] == 3 * 2 * 131 * (ROW_BYTES["q8_0"] + ROW_BYTES["turbo3"])
+    for _ in range(4):
+        nxt = step(nxt)
+    assert all(lay.store.length == 135 and 135 <= lay.store.capacity < 512 for lay in exact.layers)
+
+
 def test_reorder_and_select():
     """select / reorder / repeat move whole sequences: the stored rows follow their sequence, and a
     next step gives each row the logits of a fresh cache over that row's own tokens."""
