@@ -416,6 +416,7 @@ def run_pool_decode(model, clock: Clock, *, agents, ctx: int, suffix_tokens: int
                     row.update(ms_polykv_compiled=res["ms_polykv"], ms_polykv_compiled_gpu=res["ms_polykv_gpu"],
                                ms_polykv_compiled_pipelined=res.get("ms_polykv_pipelined"))
                     _speedup(row, "ms_baseline", "speedup_compiled", "ms_polykv_compiled")
+                    _speedup(row, "ms_baseline", "speedup_compiled_pipelined", "ms_polykv_compiled_pipelined")
                 clock.free()
             pool.close()  # nothing compiled outlives the block
     del doc_cache, pool
@@ -792,6 +793,7 @@ def plot_e2e(result: dict, path) -> None:
 def _plot_pool(ax, rows: list[Row], config: dict) -> None:
     for key, label, style in (("ms_polykv", f"polykv pool ({config['k']}/{config['v']})", "o-"),
                               ("ms_polykv_pipelined", "polykv pool, pipelined (step_tokens_ahead)", "o:"),
+                              ("ms_polykv_compiled_pipelined", "polykv pool, pipelined + compiled_pointwise", "^:"),
                               ("ms_baseline", "transformers: N DynamicCache copies, batched", "s--")):
         pts = [(r["agents"], r[key]) for r in rows if r.get(key)]
         if pts:
@@ -825,8 +827,9 @@ def _plot_kvcache(ax, rows: list[Row], config: dict) -> None:
     ax.legend(fontsize=8)
 
 
-TABLE_COLUMNS = ["scenario", "agents", "layers", "ctx", "ms_polykv", "ms_polykv_pipelined", "ms_baseline", "speedup",
-                 "ms_static_compile", "speedup_vs_static_compile"]
+TABLE_COLUMNS = ["scenario", "agents", "layers", "ctx", "ms_polykv", "ms_polykv_pipelined",
+                 "ms_polykv_compiled_pipelined", "ms_baseline", "speedup", "speedup_pipelined",
+                 "speedup_compiled_pipelined", "ms_static_compile", "speedup_vs_static_compile"]
 
 
 def format_e2e(result: dict) -> str:

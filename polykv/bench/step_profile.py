@@ -41,6 +41,7 @@ def main() -> None:
     for graphs, compiled in modes:
         from polykv.hf.graphs import compiled_pointwise
 
+        pool.close()  # a parked batch keeps its captured steps: each mode captures its own
         with compiled_pointwise(model) if compiled else contextlib.nullcontext(), torch.inference_mode(), \
                  pool.open_batch(doc, capacity=args.agents, seq_capacity=64 + 3 * args.steps + 8,
                                                      graphs=graphs) as b:

@@ -112,11 +112,6 @@ def _prep_q(q: torch.Tensor, k_codec, k_innerq, hkv: int) -> torch.Tensor:
     return q.reshape(B, hkv, (Hq // hkv) * n_q, D).contiguous()
 
 
-def _finish(out: torch.Tensor, v_codec) -> torch.Tensor:
-    """Output from V's storage domain back to true space (inverse rotation once)."""
-    return v_codec.unrotate(out) if getattr(v_codec, "rotated", False) else out
-
-
 _FULL_LENS: dict = {}
 
 
@@ -197,9 +192,9 @@ def cascade_attention(q: torch.Tensor, prefix_k: Packed | None, prefix_v: Packed
     out, lse = cas.cascade_prepared(qp, n_q, prefix_k, prefix_v, suffix_k, suffix_v,
                                     suffix_lens.to(device=q.device), kc, vc, sm_scale=sm_scale,
                                     suffix_pages=suffix_pages, page_size=page_size,
-                                    prefix_chunks=prefix_chunks, prefix_rows=prefix_rows, **tune)
-    out = _finish(out.reshape(N, Hq, n_q, D), vc).to(q.dtype)
-    return out, lse.reshape(N, Hq, n_q)
+                                    prefix_chunks=prefix_chunks, prefix_rows=prefix_rows,
+                                    out_dtype=q.dtype, **tune)
+    return out.reshape(N, Hq, n_q, D), lse.reshape(N, Hq, n_q)
 
 
 def gather_pages(pool: Packed, table: torch.Tensor, page_size: int) -> Packed:

@@ -86,10 +86,14 @@ def _k_addr(KW, KS, kbase, ksbase, n0, end, sks, skss, BLOCK_N: gl.constexpr, D:
 
 
 @gluon.jit
-def _k_load(KW, KS, kbase, ksbase, n0, end, sks, skss, BLOCK_N: gl.constexpr, D: gl.constexpr):
+def _k_load(KW, KS, kbase, ksbase, n0, end, sks, skss, BLOCK_N: gl.constexpr, D: gl.constexpr,
+            EVEN: gl.constexpr):
     """q8_0 K rows [n0, n0 + BLOCK_N) as stored: (codes as int32 words [BLOCK_N, D / 32, 8],
-    block scales fp16 [BLOCK_N, D / 32, 1]); rows >= end read nothing (zeros)."""
+    block scales fp16 [BLOCK_N, D / 32, 1]); rows >= end read nothing (zeros) — EVEN: the caller
+    never asks past end, no mask."""
     codes, scales, rmask = _k_addr(KW, KS, kbase, ksbase, n0, end, sks, skss, BLOCK_N, D)
+    if EVEN:
+        return gl.load(codes), gl.load(scales)
     return gl.load(codes, mask=rmask, other=0), gl.load(scales, mask=rmask, other=0.0)
 
 
@@ -114,11 +118,15 @@ def _v_addr(VW, VS, vbase, vsbase, n0, end, svs, svss, BLOCK_N: gl.constexpr, D:
 
 
 @gluon.jit
-def _v_load(VW, VS, vbase, vsbase, n0, end, svs, svss, BLOCK_N: gl.constexpr, D: gl.constexpr):
+def _v_load(VW, VS, vbase, vsbase, n0, end, svs, svss, BLOCK_N: gl.constexpr, D: gl.constexpr,
+            EVEN: gl.constexpr):
     """turbo3 V rows [n0, n0 + BLOCK_N) as stored: (lo0, lo1, hi int32 words [BLOCK_N, D / 32],
-    norms fp16 [BLOCK_N, 1]); rows >= end read nothing."""
+    norms fp16 [BLOCK_N, 1]); rows >= end read nothing (EVEN: never asked, no mask)."""
     W: gl.constexpr = D // 32
     codes, norms, rows = _v_addr(VW, VS, vbase, vsbase, n0, end, svs, svss, BLOCK_N, D)
+    if EVEN:
+        return (gl.load(codes), gl.load(codes + W), gl.load(codes + 2 * W),
+                gl.expand_dims(gl.load(norms), 1))
     rmask = gl.expand_dims(rows, 1)
     return (gl.load(codes, mask=rmask, other=0), gl.load(codes + W, mask=rmask, other=0),
             gl.load(codes + 2 * W, mask=rmask, other=0),
@@ -155,23 +163,26 @@ def _producer(KW, KS, VW, VS, k_bufs, v_bufs, ready, empty, kbase, ksbase, vbase
               end, sks, skss, svs, svss, BLOCK_N: gl.constexpr, D: gl.constexpr,
               NBUF: gl.constexpr, KA: gl.constexpr, VA0: gl.constexpr, VA1: gl.constexpr,
               VA2: gl.constexpr, VA3: gl.constexpr, VA4: gl.constexpr, VA5: gl.constexpr,
-              VA6: gl.constexpr, VA7: gl.constexpr, PREFETCH: gl.constexpr):
+              VA6: gl.constexpr, VA7: gl.constexpr, PREFETCH: gl.constexpr, EVEN: gl.constexpr):
     """Decodes every key tile of the split into the stage ring. PREFETCH: tile i + 1's bytes are
     loaded into registers before tile i is decoded (one tile of global-load latency hidden behind
-    the decode; a tile past `end` loads nothing)."""
+    the decode; a tile past `end` loads nothing — EVEN: the last tile is loaded again instead,
+    so no load needs a mask)."""
     n_tiles = gl.cdiv(end - start, BLOCK_N)
-    kq, ks = _k_load(KW, KS, kbase, ksbase, start, end, sks, skss, BLOCK_N, D)
-    la, lb, hi, nrm = _v_load(VW, VS, vbase, vsbase, start, end, svs, svss, BLOCK_N, D)
+    last = gl.maximum(end - BLOCK_N, start)
+    kq, ks = _k_load(KW, KS, kbase, ksbase, start, end, sks, skss, BLOCK_N, D, EVEN)
+    la, lb, hi, nrm = _v_load(VW, VS, vbase, vsbase, start, end, svs, svss, BLOCK_N, D, EVEN)
     for i in range(n_tiles):
         stage = i % NBUF
         n0 = start + i * BLOCK_N
         if PREFETCH:
-            kq1, ks1 = _k_load(KW, KS, kbase, ksbase, n0 + BLOCK_N, end, sks, skss, BLOCK_N, D)
-            la1, lb1, hi1, nrm1 = _v_load(VW, VS, vbase, vsbase, n0 + BLOCK_N, end, svs, svss,
-                                          BLOCK_N, D)
+            n1 = gl.minimum(n0 + BLOCK_N, last) if EVEN else n0 + BLOCK_N
+            kq1, ks1 = _k_load(KW, KS, kbase, ksbase, n1, end, sks, skss, BLOCK_N, D, EVEN)
+            la1, lb1, hi1, nrm1 = _v_load(VW, VS, vbase, vsbase, n1, end, svs, svss,
+                                          BLOCK_N, D, EVEN)
         elif i > 0:
-            kq, ks = _k_load(KW, KS, kbase, ksbase, n0, end, sks, skss, BLOCK_N, D)
-            la, lb, hi, nrm = _v_load(VW, VS, vbase, vsbase, n0, end, svs, svss, BLOCK_N, D)
+            kq, ks = _k_load(KW, KS, kbase, ksbase, n0, end, sks, skss, BLOCK_N, D, EVEN)
+            la, lb, hi, nrm = _v_load(VW, VS, vbase, vsbase, n0, end, svs, svss, BLOCK_N, D, EVEN)
         # a stage's barriers start in phase 0: the first wait on `empty` (parity 1) passes at
         # once; decoding after the wait keeps fewer registers live across it
         mbarrier.wait(empty.index(stage), ((i // NBUF) & 1) ^ 1)
@@ -343,7 +354,7 @@ def _ws_prefix_kernel(Q, KC, KS, VC, VS, KV_LENS, O_PART, L_PART,
     gl.warp_specialize([
         (_producer, (KW, KS, VW, VS, k_bufs, v_bufs, ready, empty, kbase, ksbase, vbase, vsbase,
                      start, end, sks, skss, svs, svss, BLOCK_N, D, NBUF, KA,
-                     VA0, VA1, VA2, VA3, VA4, VA5, VA6, VA7, PREFETCH)),
+                     VA0, VA1, VA2, VA3, VA4, VA5, VA6, VA7, PREFETCH, EVEN)),
         (_consumer, (O_PART, L_PART, q_smem, k_bufs, v_bufs, ready, empty, q_row0,
                      M_TOTAL - gl.program_id(2) * BLOCK_M, start, end, N_SPLITS, SPLIT0 + pid_s,
                      BLOCK_M, BLOCK_N, D, NBUF, BLOCK_M // 16, PIPE, EVEN)),
@@ -365,22 +376,31 @@ def ws_ok(qp: torch.Tensor, k_codec, v_codec) -> bool:
             and isinstance(v_codec, TurboCodec) and v_codec.bits == 3 and v_codec.group == D)
 
 
-def ws_prefix(qp: torch.Tensor, chunks, total_rows: int, k_codec, v_codec, *, sm_scale: float,
-              max_split: int = 0, block_m: int = 0, block_n: int = 64, stages: int = 3,
-              consumer_regs: int = 0, maxnreg: int = 0, prefetch: bool = True,
-              pipe: bool = True,
-              target_programs: int | None = None, out_dtype: torch.dtype | None = None):
+def ws_prefix(qp: torch.Tensor, chunks, total_rows: int, k_codec, v_codec, *,
+              out_dtype: torch.dtype | None = None, **kw):
+    """`ws_prefix_parts` and its combine: (out float32 [1, Hkv, M, D] in V's storage domain —
+    true space in out_dtype when given —, lse float32 [1, Hkv, M])."""
+    from .triton_decode import combine_splits
+
+    parts = ws_prefix_parts(qp, chunks, total_rows, k_codec, v_codec, **kw)
+    return combine_splits(parts.o, parts.lse, parts.n_splits, tuple(qp.shape), v_codec, out_dtype)
+
+
+def ws_prefix_parts(qp: torch.Tensor, chunks, total_rows: int, k_codec, v_codec, *, sm_scale: float,
+                    max_split: int = 0, block_m: int = 0, block_n: int = 64, stages: int = 3,
+                    consumer_regs: int = 0, maxnreg: int = 0, prefetch: bool = True,
+                    pipe: bool = True, target_programs: int | None = None):
     """The cascade prefix pass on the warp-specialised kernel (check `ws_ok` first).
     qp float32 [1, Hkv, M, D] in K's domain (rows of all agents); chunks: iterable of (k, v,
     kv_lens int32 [1], row0) as triton_decode.decode_prepared's, total_rows their rows in all
     (each row0 a multiple of the split length: the splits are planned over all rows, powers of two
-    <= max_split when given). Returns (out float32 [1, Hkv, M, D] in V's storage domain — true
-    space in out_dtype when given —, lse float32 [1, Hkv, M]). The rest tunes the launch (0 /
+    <= max_split when given). Returns the splits' partial results (`triton_decode.SplitParts`,
+    rows [1, Hkv, M], V's storage domain). The rest tunes the launch (0 /
     None: the H200 defaults, docs/kernels_notes.md v11): row tile (64 up to 64 rows, else 128),
     key tile, stages, registers per consumer thread / per thread of the CTA, the producer's
     register prefetch, the consumers' S / PV overlap, programs."""
     from .triton_codec import asm_strings, cdiv
-    from .triton_decode import _strides, combine_splits, num_programs_target, plan_split_len
+    from .triton_decode import SplitParts, _strides, num_programs_target, plan_split_len
 
     _, Hkv, M, D = qp.shape
     dev = qp.device
@@ -417,4 +437,4 @@ def ws_prefix(qp: torch.Tensor, chunks, total_rows: int, k_codec, v_codec, *, sm
             VA7=va[7], CREG=consumer_regs, PREFETCH=bool(prefetch), PIPE=pipe,
             EVEN=rows % block_n == 0, num_warps=4,
             maxnreg=maxnreg)
-    return combine_splits(o_part, l_part, n_splits, (1, Hkv, M, D), v_codec, out_dtype)
+    return SplitParts(o_part, l_part, n_splits)

@@ -4,7 +4,10 @@ Prefix pass: every agent's queries of one KV head group become rows of a single 
 (N * group * n_q rows, in row tiles of up to 64: H200 v4 sweep, 306 us vs 359 us for 128), so each
 prefix K/V tile is read from memory once per row tile per step, not once per agent; three pipeline
 stages at head_dim <= 128 (H200 v9 sweep, 64k: 32 agents 292.5 -> 269.9 us, 8 agents 177.9 -> 168.2). Suffix pass: the decode kernel with per-agent lengths
-(causal). The two partial results are merged by log-sum-exp (`_merge_kernel`).
+(causal). Both passes leave their splits uncombined; one epilogue launch
+(`_cascade_combine_kernel`) merges every split of both by log-sum-exp, maps the rows back from V's
+storage domain and writes the caller's dtype (it replaced two split combines, the LSE merge, an
+fp32 rotation GEMM and a cast: five launches per layer and call).
 """
 
 from __future__ import annotations
@@ -14,8 +17,10 @@ import triton
 import triton.language as tl
 
 from ..codecs import Packed
-from .gluon_prefix import ws_ok, ws_prefix
-from .triton_decode import PHASE_MAX_ROWS, decode_prepared
+from ..codecs.rotation import rotation_matrix
+from .gluon_prefix import ws_ok, ws_prefix_parts
+from .triton_codec import next_pow2, placeholder
+from .triton_decode import PHASE_MAX_ROWS, SplitParts, decode_parts
 
 
 @triton.jit
@@ -67,6 +72,75 @@ def merge_triton(out_a, lse_a, out_b, lse_b, out_dtype=None):
     return out, lse
 
 
+@triton.jit
+def _cascade_combine_kernel(PO, PL, SO, SL, OUT, LSE, ROT, HKV, M, N_AGENTS, NSP, NSS,
+                            D: tl.constexpr, NSP_P2: tl.constexpr, NSS_P2: tl.constexpr,
+                            G: tl.constexpr, HAS_S: tl.constexpr, UNROT: tl.constexpr):
+    # output row r = (n * HKV + h) * M + mm; the prefix pass holds it at row
+    # (h * N_AGENTS + n) * M + mm (all agents of a KV head side by side), the suffix pass at r.
+    # All splits of both passes are loaded at once ([splits, G] tiles: no serial split loop)
+    r = tl.program_id(0).to(tl.int64)
+    n = r // (HKV * M)
+    h = (r // M) % HKV
+    pr = (h * N_AGENTS + n) * M + r % M
+    sp = tl.arange(0, NSP_P2)
+    pmask = sp < NSP
+    lp = tl.load(PL + pr * NSP + sp, mask=pmask, other=float("-inf"))
+    m = tl.max(lp, 0)
+    if HAS_S:
+        ss = tl.arange(0, NSS_P2)
+        smask = ss < NSS
+        ls = tl.load(SL + r * NSS + ss, mask=smask, other=float("-inf"))
+        m = tl.maximum(m, tl.max(ls, 0))
+    m_safe = tl.where(m == float("-inf"), 0.0, m)
+    wp = tl.exp(lp - m_safe)  # 0 for absent splits
+    tot = tl.sum(wp, 0)
+    if HAS_S:
+        ws = tl.exp(ls - m_safe)
+        tot += tl.sum(ws, 0)
+    den = tl.where(tot > 0, tot, 1.0)
+    gi = tl.arange(0, G)
+    if UNROT:
+        mt = tl.load(ROT + gi[None, :] * G + gi[:, None])  # mt[i, j] = M[j, i]
+    for g in tl.static_range(D // G):
+        d = g * G + gi
+        o = tl.load(PO + (pr * NSP + sp)[:, None] * D + d[None, :], mask=pmask[:, None], other=0.0)
+        acc = tl.sum(o * wp[:, None], 0)
+        if HAS_S:
+            o = tl.load(SO + (r * NSS + ss)[:, None] * D + d[None, :], mask=smask[:, None],
+                        other=0.0)
+            acc += tl.sum(o * ws[:, None], 0)
+        out = acc / den
+        if UNROT:  # true space: y_g = o_g @ M^T, per rotation group
+            out = tl.sum(out[:, None] * mt, 0)
+        tl.store(OUT + r * D + d, out.to(OUT.dtype.element_ty))
+    tl.store(LSE + r, tl.where(tot > 0, m_safe + tl.log(den), float("-inf")))
+
+
+def cascade_combine(prefix: SplitParts, suffix: SplitParts | None, shape: tuple, v_codec,
+                    out_dtype: torch.dtype | None = None):
+    """The cascade's epilogue in one launch: every split of the prefix pass (rows [Hkv, N * M])
+    and of the suffix pass (rows [N, Hkv, M]; None: no suffix) merged by log-sum-exp into out
+    [*shape] = [N, Hkv, M, D] and lse float32 [N, Hkv, M]. out is float32 in V's storage domain,
+    or with out_dtype true space (unrotated) in that dtype."""
+    N, Hkv, M, D = shape
+    dev = prefix.o.device
+    unrot = out_dtype is not None and getattr(v_codec, "rotated", False)
+    out = torch.empty(shape, dtype=out_dtype or torch.float32, device=dev)
+    lse = torch.empty(shape[:-1], dtype=torch.float32, device=dev)
+    R = N * Hkv * M
+    if R == 0:
+        return out, lse
+    s = suffix or prefix  # never read without a suffix
+    nss = suffix.n_splits if suffix else 1
+    _cascade_combine_kernel[(R,)](
+        prefix.o, prefix.lse, s.o, s.lse, out, lse,
+        rotation_matrix(v_codec.group, dev) if unrot else placeholder(dev), Hkv, M, N,
+        prefix.n_splits, nss, D=D, NSP_P2=next_pow2(prefix.n_splits), NSS_P2=next_pow2(nss),
+        G=v_codec.group if unrot else D, HAS_S=suffix is not None, UNROT=unrot)
+    return out, lse
+
+
 _PREFIX_LENS: dict = {}
 
 
@@ -84,15 +158,16 @@ def cascade_prepared(qp: torch.Tensor, n_q: int, prefix_k: Packed | None, prefix
                      v_codec, *, sm_scale: float, prefix_block_m: int = 64,
                      suffix_pages: torch.Tensor | None = None, page_size: int = 0,
                      prefix_chunks=None, prefix_rows: int = 0, prefix_max_split: int = 16384,
-                     prefix_tune: dict | None = None, **kw):
+                     prefix_tune: dict | None = None, out_dtype: torch.dtype | None = None, **kw):
     """qp float32 [N, Hkv, M, D] in K's storage domain. suffix_pages int32 [N, max_pages]: the
     suffixes are a page pool (see decode_prepared). prefix_chunks, prefix_rows: the prefix as an
     iterable of chunks (k, v, row0) of prefix_rows rows in all (prefix_k / prefix_v None), consumed
     one launch at a time (decode_prepared's chunks), each row0 a multiple of the prefix pass's
     split length: the values of the joined prefix, bit for bit. The prefix pass's splits are
     powers of two of at most prefix_max_split rows, whole or chunked, so chunks that start at
-    multiples of prefix_max_split always qualify. Returns (out, lse) float32 [N, Hkv, M, D] (V storage domain) /
-    [N, Hkv, M]. kw tunes both passes, prefix_tune (over kw) the prefix pass alone."""
+    multiples of prefix_max_split always qualify. Returns (out, lse): out [N, Hkv, M, D] float32 in
+    V's storage domain, or with out_dtype true space in that dtype; lse float32 [N, Hkv, M]
+    (`cascade_combine`). kw tunes both passes, prefix_tune (over kw) the prefix pass alone."""
     N, Hkv, M, D = qp.shape
     if prefix_chunks is None:
         prefix_chunks, prefix_rows = [(prefix_k, prefix_v, 0)], prefix_k.codes.shape[2]
@@ -107,22 +182,20 @@ def cascade_prepared(qp: torch.Tensor, n_q: int, prefix_k: Packed | None, prefix
     # power-of-two splits (<= prefix_max_split): the same splits whether whole or in chunks
     if tune.get("impl", "auto") in ("auto", "ws") and ws_ok(qc, k_codec, v_codec):
         # Hopper: the warp-specialised pass (decode in a producer warp group, wgmma in consumers)
-        out_p, lse_p = ws_prefix(qc, chunks, prefix_rows, k_codec, v_codec, sm_scale=sm_scale,
+        prefix = ws_prefix_parts(qc, chunks, prefix_rows, k_codec, v_codec, sm_scale=sm_scale,
                                  max_split=prefix_max_split, **tune.get("ws", {}))
     else:
         tune.pop("ws", None)
-        out_p, lse_p = decode_prepared(qc, n_q, None, None, k_codec, v_codec, None,
-                                       causal=False, window=None, sm_scale=sm_scale,
-                                       chunks=chunks, total_rows=prefix_rows,
-                                       **{"block_m_max": prefix_block_m,
-                                          "max_split": prefix_max_split,
-                                          **(tile if D <= 128 and qp.is_cuda else {}), **tune})
-    out_p = out_p.reshape(Hkv, N, M, D).permute(1, 0, 2, 3)
-    lse_p = lse_p.reshape(Hkv, N, M).permute(1, 0, 2)
-    if suffix_k.codes.shape[2] == 0 or (suffix_pages is not None and suffix_pages.shape[1] == 0):
-        return out_p.contiguous(), lse_p.contiguous()
-    out_s, lse_s = decode_prepared(qp, n_q, suffix_k, suffix_v, k_codec, v_codec,
-                                   suffix_lens.to(torch.int32).contiguous(), causal=True,
-                                   window=None, sm_scale=sm_scale, page_table=suffix_pages,
-                                   page_size=page_size, **kw)
-    return merge_triton(out_p, lse_p, out_s, lse_s, torch.float32)
+        prefix = decode_parts(qc, n_q, None, None, k_codec, v_codec, None,
+                              causal=False, window=None, sm_scale=sm_scale,
+                              chunks=chunks, total_rows=prefix_rows,
+                              **{"block_m_max": prefix_block_m,
+                                 "max_split": prefix_max_split,
+                                 **(tile if D <= 128 and qp.is_cuda else {}), **tune})
+    suffix = None
+    if suffix_k.codes.shape[2] and (suffix_pages is None or suffix_pages.shape[1]):
+        suffix = decode_parts(qp, n_q, suffix_k, suffix_v, k_codec, v_codec,
+                              suffix_lens.to(torch.int32).contiguous(), causal=True,
+                              window=None, sm_scale=sm_scale, page_table=suffix_pages,
+                              page_size=page_size, **kw)
+    return cascade_combine(prefix, suffix, (N, Hkv, M, D), v_codec, out_dtype)

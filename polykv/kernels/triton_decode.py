@@ -12,6 +12,7 @@ Stage 2 (`_combine_kernel`) merges the splits by log-sum-exp.
 from __future__ import annotations
 
 import math
+from typing import NamedTuple
 
 import torch
 import triton
@@ -357,16 +358,35 @@ def _interpreting() -> bool:
     return os.environ.get("TRITON_INTERPRET", "0") == "1"
 
 
+class SplitParts(NamedTuple):
+    """What a split-KV pass leaves before its log-sum-exp combine: o float32 [rows * n_splits * D]
+    (normalised within each split), lse float32 [rows * n_splits] (natural log), row-major over
+    (row, split); rows in the pass's own [B, Hkv, M] order."""
+
+    o: torch.Tensor
+    lse: torch.Tensor
+    n_splits: int
+
+
 def decode_prepared(qp: torch.Tensor, n_q: int, k: Packed, v: Packed, k_codec, v_codec,
-                    kv_lens: torch.Tensor, *, causal: bool, window: int | None, sm_scale: float,
-                    block_m_max: int = 64, target_programs: int | None = None,
-                    num_warps: int | None = None, num_stages: int = 2, block_n: int | None = None,
-                    dec: str = "auto", impl: str = "auto", maxnreg: int | None = None,
-                    page_table: torch.Tensor | None = None, page_size: int = 0,
-                    kv_start: torch.Tensor | None = None, out_dtype: torch.dtype | None = None,
-                    vector_factors: bool = True, split_len: int | None = None,
-                    max_split: int = 0, chunks=None, total_rows: int = 0):
-    """qp: [B, Hkv, M, D] contiguous (any float dtype), already in K's storage domain (rotated / InnerQ-
+                    kv_lens: torch.Tensor, *, out_dtype: torch.dtype | None = None, **kw):
+    """`decode_parts` and its combine (`combine_splits`): returns out float32 [B, Hkv, M, D] in
+    V's storage domain and lse float32 [B, Hkv, M]; with out_dtype, out is in true space
+    (unrotated) and that dtype."""
+    parts = decode_parts(qp, n_q, k, v, k_codec, v_codec, kv_lens, **kw)
+    return combine_splits(parts.o, parts.lse, parts.n_splits, tuple(qp.shape), v_codec, out_dtype)
+
+
+def decode_parts(qp: torch.Tensor, n_q: int, k: Packed, v: Packed, k_codec, v_codec,
+                 kv_lens: torch.Tensor, *, causal: bool, window: int | None, sm_scale: float,
+                 block_m_max: int = 64, target_programs: int | None = None,
+                 num_warps: int | None = None, num_stages: int = 2, block_n: int | None = None,
+                 dec: str = "auto", impl: str = "auto", maxnreg: int | None = None,
+                 page_table: torch.Tensor | None = None, page_size: int = 0,
+                 kv_start: torch.Tensor | None = None,
+                 vector_factors: bool = True, split_len: int | None = None,
+                 max_split: int = 0, chunks=None, total_rows: int = 0) -> SplitParts:
+    """The split-KV pass (stage 1) of a decode call. qp: [B, Hkv, M, D] contiguous (any float dtype), already in K's storage domain (rotated / InnerQ-
     divided), rows r = head_in_group * n_q + j. k, v: Packed leading [B or 1, Hkv, S_cap].
     dec: "asm" (PTX byte-permute lookup, CUDA only), "select" (plain Triton), "auto" (asm where it
     applies and builds). impl: "phase" (_phase_decode_kernel), "tile" (_decode_kernel), "auto"
@@ -384,8 +404,8 @@ def decode_prepared(qp: torch.Tensor, n_q: int, k: Packed, v: Packed, k_codec, v
     joined rows, bit for bit. page_table int32 [B, max_pages] (with
     page_size): k, v are a page pool (leading [1, Hkv, rows]) and row n of sequence b lives at
     page_table[b, n // page_size] * page_size + n % page_size. kv_start int32 [B]: rows before it
-    are left padding, never keys. Returns out float32 [B, Hkv, M, D] in V's storage domain, lse
-    float32 [B, Hkv, M]; with out_dtype, out is in true space (unrotated) and that dtype."""
+    are left padding, never keys. Returns the splits' partial results (`SplitParts`; rows
+    [B, Hkv, M], V's storage domain)."""
     B, Hkv, M, D = qp.shape
     dev = qp.device
     if impl == "auto":  # H200 v5 sweep: phase for decode-sized row tiles, tile for the cascade
@@ -503,7 +523,7 @@ def decode_prepared(qp: torch.Tensor, n_q: int, k: Packed, v: Packed, k_codec, v
                 launch(part, k_dec, v_dec, ka, va)
         else:
             launch(part, k_dec, v_dec, ka, va)
-    return combine_splits(o_part, l_part, n_splits, (B, Hkv, M, D), v_codec, out_dtype)
+    return SplitParts(o_part, l_part, n_splits)
 
 
 def plan_split_len(S: int, groups: int, target: int, block_n: int, max_split: int = 0) -> int:

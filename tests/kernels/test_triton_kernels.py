@@ -85,6 +85,7 @@ def test_decode_window_innerq_noncausal_and_empty():
     ("q8_0", "turbo3", 128, 4, [5, 0, 3]),
     ("turbo4", "turbo3", 64, 8, [0, 0, 0]),
     ("f16", "q4_0", 256, 1, [6, 2, 1]),
+    ("q8_0", "turbo3", 256, 2, [4, 1, 6]),  # V rotated in two groups: block-diagonal unrotation
 ])
 def test_cascade_matches_reference(kn, vn, D, group, lens):
     torch.manual_seed(D)
