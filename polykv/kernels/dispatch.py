@@ -101,14 +101,12 @@ def _fix_interpreter() -> None:
 
 def _prep_q(q: torch.Tensor, k_codec, k_innerq, hkv: int) -> torch.Tensor:
     """q [B, Hq, n_q, D] -> [B, Hkv, group*n_q, D] contiguous in K's storage domain (q / s, rotated
-    once when K is turbo; float32 then). Without either it stays in q's dtype (a view when q is
-    contiguous): the kernels convert q on load, so a q8_0 / f16 K costs no preparation launch."""
+    once when K is turbo: float32, one launch, `triton_decode.prep_q_triton`). Without either it
+    stays in q's dtype (a view when q is contiguous): the kernels convert q on load, so a q8_0 / f16
+    K costs no preparation launch. Triton paths only (callers checked `use_triton`)."""
     B, Hq, n_q, D = q.shape
-    rotated = getattr(k_codec, "rotated", False)
-    if k_innerq is not None or rotated:
-        q = ref._innerq_q(q.float(), k_innerq)
-        if rotated:
-            q = k_codec.rotate(q)
+    if k_innerq is not None or getattr(k_codec, "rotated", False):
+        return _k()[0].prep_q_triton(q, k_codec, k_innerq, hkv)
     return q.reshape(B, hkv, (Hq // hkv) * n_q, D).contiguous()
 
 

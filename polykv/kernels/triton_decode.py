@@ -557,6 +557,64 @@ def combine_splits(o_part: torch.Tensor, l_part: torch.Tensor, n_splits: int, sh
     return out, lse
 
 
+@triton.jit
+def _prep_q_kernel(Q, S, ROT, OUT, R, HQ, NQ, GQA, sqb, sqh, sqn, D: tl.constexpr,
+                   BLOCK_R: tl.constexpr, DC: tl.constexpr, HAS_S: tl.constexpr,
+                   ROTATE: tl.constexpr):
+    # BLOCK_R rows r = (b * HQ + hq) * NQ + j of q [B, HQ, NQ, D] (any strides, last dim 1) ->
+    # float32 rows of OUT in the same order ([B, Hkv, GQA * NQ, D] contiguous), divided by the
+    # InnerQ scales of the row's KV head and rotated by ROT (block-diagonal M: y = x @ M)
+    r = (tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)).to(tl.int64)
+    rmask = r < R
+    hq = (r // NQ) % HQ
+    d = tl.arange(0, D)
+    x = tl.load(Q + ((r // (HQ * NQ)) * sqb + hq * sqh + (r % NQ) * sqn)[:, None] + d[None, :],
+                mask=rmask[:, None], other=0.0).to(tl.float32)
+    if HAS_S:
+        x = x / tl.load(S + (hq // GQA)[:, None] * D + d[None, :])
+    if ROTATE:  # on the tensor cores at fp32 accuracy (3 x tf32), DC output columns at a time
+        for c in tl.static_range(D // DC):
+            cols = c * DC + tl.arange(0, DC)
+            y = tl.dot(x, tl.load(ROT + d[:, None] * D + cols[None, :]), input_precision="tf32x3")
+            tl.store(OUT + r[:, None] * D + cols[None, :], y, mask=rmask[:, None])
+    else:
+        tl.store(OUT + r[:, None] * D + d[None, :], x, mask=rmask[:, None])
+
+
+_BLOCK_ROT: dict = {}
+
+
+def block_rotation(group: int, D: int, device) -> torch.Tensor:
+    """float32 [D, D]: the per-group rotation M repeated on the diagonal, so x @ it rotates every
+    group of a row at once; one per (group, D, device)."""
+    key = (group, D, str(device))
+    t = _BLOCK_ROT.get(key)
+    if t is None:
+        t = _BLOCK_ROT[key] = torch.block_diag(*[rotation_matrix(group, device)] * (D // group))
+    return t
+
+
+def prep_q_triton(q: torch.Tensor, k_codec, k_innerq: torch.Tensor | None, hkv: int) -> torch.Tensor:
+    """q [B, Hq, n_q, D] -> float32 [B, Hkv, group * n_q, D] contiguous in K's storage domain
+    (q / s with InnerQ s [Hkv, D], then rotated when K is a rotated codec) in one launch — the torch
+    ops it replaces were four to five launches per attention call."""
+    B, Hq, n_q, D = q.shape
+    if q.stride(-1) != 1:
+        q = q.contiguous()
+    dev = q.device
+    rotated = getattr(k_codec, "rotated", False)
+    out = torch.empty(B, hkv, (Hq // hkv) * n_q, D, dtype=torch.float32, device=dev)
+    R = B * Hq * n_q
+    if R:
+        s = (k_innerq.to(device=dev, dtype=torch.float32).contiguous() if k_innerq is not None
+             else placeholder(dev))
+        _prep_q_kernel[(cdiv(R, 16),)](
+            q, s, block_rotation(k_codec.group, D, dev) if rotated else placeholder(dev), out,
+            R, Hq, n_q, Hq // hkv, q.stride(0), q.stride(1), q.stride(2), D=D, BLOCK_R=16,
+            DC=min(D, 32), HAS_S=k_innerq is not None, ROTATE=rotated)
+    return out
+
+
 # ----------------------------------------------------------------------------- v5: phase tiles
 
 @triton.jit
