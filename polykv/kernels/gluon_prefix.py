@@ -383,7 +383,7 @@ def ws_prefix(qp: torch.Tensor, chunks, total_rows: int, k_codec, v_codec, *,
     from .triton_decode import combine_splits
 
     parts = ws_prefix_parts(qp, chunks, total_rows, k_codec, v_codec, **kw)
-    return combine_splits(parts.o, parts.lse, parts.n_splits, tuple(qp.shape), v_codec, out_dtype)
+    return combine_splits(parts, tuple(qp.shape), v_codec, out_dtype)
 
 
 def ws_prefix_parts(qp: torch.Tensor, chunks, total_rows: int, k_codec, v_codec, *, sm_scale: float,

@@ -3,11 +3,13 @@
 Prefix pass: every agent's queries of one KV head group become rows of a single tile
 (N * group * n_q rows, in row tiles of up to 64: H200 v4 sweep, 306 us vs 359 us for 128), so each
 prefix K/V tile is read from memory once per row tile per step, not once per agent; three pipeline
-stages at head_dim <= 128 (H200 v9 sweep, 64k: 32 agents 292.5 -> 269.9 us, 8 agents 177.9 -> 168.2). Suffix pass: the decode kernel with per-agent lengths
-(causal). Both passes leave their splits uncombined; one epilogue launch
-(`_cascade_combine_kernel`) merges every split of both by log-sum-exp, maps the rows back from V's
-storage domain and writes the caller's dtype (it replaced two split combines, the LSE merge, an
-fp32 rotation GEMM and a cast: five launches per layer and call).
+stages at head_dim <= 128 (H200 v9 sweep, 64k: 32 agents 292.5 -> 269.9 us, 8 agents 177.9 ->
+168.2); on Hopper the warp-specialised pass (gluon_prefix). Suffix pass: the decode kernel with
+per-agent lengths (causal). Both passes leave their splits uncombined; one epilogue launch
+(`triton_decode.combine_splits`) merges every split of both by log-sum-exp, maps the rows back from
+V's storage domain and writes the caller's dtype (it replaced two split combines, the LSE merge, an
+fp32 rotation GEMM and a cast: five launches per layer and call). `_merge_kernel` remains for
+`dispatch.merge_attention`.
 """
 
 from __future__ import annotations
@@ -17,10 +19,8 @@ import triton
 import triton.language as tl
 
 from ..codecs import Packed
-from ..codecs.rotation import rotation_matrix
 from .gluon_prefix import ws_ok, ws_prefix_parts
-from .triton_codec import next_pow2, placeholder
-from .triton_decode import PHASE_MAX_ROWS, SplitParts, decode_parts
+from .triton_decode import PHASE_MAX_ROWS, combine_splits, decode_parts
 
 
 @triton.jit
@@ -72,75 +72,6 @@ def merge_triton(out_a, lse_a, out_b, lse_b, out_dtype=None):
     return out, lse
 
 
-@triton.jit
-def _cascade_combine_kernel(PO, PL, SO, SL, OUT, LSE, ROT, HKV, M, N_AGENTS, NSP, NSS,
-                            D: tl.constexpr, NSP_P2: tl.constexpr, NSS_P2: tl.constexpr,
-                            G: tl.constexpr, HAS_S: tl.constexpr, UNROT: tl.constexpr):
-    # output row r = (n * HKV + h) * M + mm; the prefix pass holds it at row
-    # (h * N_AGENTS + n) * M + mm (all agents of a KV head side by side), the suffix pass at r.
-    # All splits of both passes are loaded at once ([splits, G] tiles: no serial split loop)
-    r = tl.program_id(0).to(tl.int64)
-    n = r // (HKV * M)
-    h = (r // M) % HKV
-    pr = (h * N_AGENTS + n) * M + r % M
-    sp = tl.arange(0, NSP_P2)
-    pmask = sp < NSP
-    lp = tl.load(PL + pr * NSP + sp, mask=pmask, other=float("-inf"))
-    m = tl.max(lp, 0)
-    if HAS_S:
-        ss = tl.arange(0, NSS_P2)
-        smask = ss < NSS
-        ls = tl.load(SL + r * NSS + ss, mask=smask, other=float("-inf"))
-        m = tl.maximum(m, tl.max(ls, 0))
-    m_safe = tl.where(m == float("-inf"), 0.0, m)
-    wp = tl.exp(lp - m_safe)  # 0 for absent splits
-    tot = tl.sum(wp, 0)
-    if HAS_S:
-        ws = tl.exp(ls - m_safe)
-        tot += tl.sum(ws, 0)
-    den = tl.where(tot > 0, tot, 1.0)
-    gi = tl.arange(0, G)
-    if UNROT:
-        mt = tl.load(ROT + gi[None, :] * G + gi[:, None])  # mt[i, j] = M[j, i]
-    for g in tl.static_range(D // G):
-        d = g * G + gi
-        o = tl.load(PO + (pr * NSP + sp)[:, None] * D + d[None, :], mask=pmask[:, None], other=0.0)
-        acc = tl.sum(o * wp[:, None], 0)
-        if HAS_S:
-            o = tl.load(SO + (r * NSS + ss)[:, None] * D + d[None, :], mask=smask[:, None],
-                        other=0.0)
-            acc += tl.sum(o * ws[:, None], 0)
-        out = acc / den
-        if UNROT:  # true space: y_g = o_g @ M^T, per rotation group
-            out = tl.sum(out[:, None] * mt, 0)
-        tl.store(OUT + r * D + d, out.to(OUT.dtype.element_ty))
-    tl.store(LSE + r, tl.where(tot > 0, m_safe + tl.log(den), float("-inf")))
-
-
-def cascade_combine(prefix: SplitParts, suffix: SplitParts | None, shape: tuple, v_codec,
-                    out_dtype: torch.dtype | None = None):
-    """The cascade's epilogue in one launch: every split of the prefix pass (rows [Hkv, N * M])
-    and of the suffix pass (rows [N, Hkv, M]; None: no suffix) merged by log-sum-exp into out
-    [*shape] = [N, Hkv, M, D] and lse float32 [N, Hkv, M]. out is float32 in V's storage domain,
-    or with out_dtype true space (unrotated) in that dtype."""
-    N, Hkv, M, D = shape
-    dev = prefix.o.device
-    unrot = out_dtype is not None and getattr(v_codec, "rotated", False)
-    out = torch.empty(shape, dtype=out_dtype or torch.float32, device=dev)
-    lse = torch.empty(shape[:-1], dtype=torch.float32, device=dev)
-    R = N * Hkv * M
-    if R == 0:
-        return out, lse
-    s = suffix or prefix  # never read without a suffix
-    nss = suffix.n_splits if suffix else 1
-    _cascade_combine_kernel[(R,)](
-        prefix.o, prefix.lse, s.o, s.lse, out, lse,
-        rotation_matrix(v_codec.group, dev) if unrot else placeholder(dev), Hkv, M, N,
-        prefix.n_splits, nss, D=D, NSP_P2=next_pow2(prefix.n_splits), NSS_P2=next_pow2(nss),
-        G=v_codec.group if unrot else D, HAS_S=suffix is not None, UNROT=unrot)
-    return out, lse
-
-
 _PREFIX_LENS: dict = {}
 
 
@@ -167,7 +98,7 @@ def cascade_prepared(qp: torch.Tensor, n_q: int, prefix_k: Packed | None, prefix
     powers of two of at most prefix_max_split rows, whole or chunked, so chunks that start at
     multiples of prefix_max_split always qualify. Returns (out, lse): out [N, Hkv, M, D] float32 in
     V's storage domain, or with out_dtype true space in that dtype; lse float32 [N, Hkv, M]
-    (`cascade_combine`). kw tunes both passes, prefix_tune (over kw) the prefix pass alone."""
+    (`triton_decode.combine_splits`). kw tunes both passes, prefix_tune (over kw) the prefix pass alone."""
     N, Hkv, M, D = qp.shape
     if prefix_chunks is None:
         prefix_chunks, prefix_rows = [(prefix_k, prefix_v, 0)], prefix_k.codes.shape[2]
@@ -198,4 +129,5 @@ def cascade_prepared(qp: torch.Tensor, n_q: int, prefix_k: Packed | None, prefix
                               suffix_lens.to(torch.int32).contiguous(), causal=True,
                               window=None, sm_scale=sm_scale, page_table=suffix_pages,
                               page_size=page_size, **kw)
-    return cascade_combine(prefix, suffix, (N, Hkv, M, D), v_codec, out_dtype)
+    return combine_splits(prefix, (N, Hkv, M, D), v_codec, out_dtype, second=suffix,
+                          heads_major=True)

@@ -272,29 +272,49 @@ def _decode_kernel(
 
 
 @triton.jit
-def _combine_kernel(O_PART, L_PART, OUT, LSE, ROT, N_SPLITS, D: tl.constexpr, NS_P2: tl.constexpr,
-                    G: tl.constexpr, UNROT: tl.constexpr):
-    """Merge the splits of one row by log-sum-exp; with UNROT also map the row from V's storage
-    domain back to true space (y_g = o_g @ M^T per group of G, ROT = M float32 [G, G]) and store
-    it in OUT's dtype: the whole epilogue of a decode call in one launch."""
+def _combine_kernel(PO, PL, SO, SL, OUT, LSE, ROT, HKV, M, N_AGENTS, NSP, NSS,
+                            D: tl.constexpr, NSP_P2: tl.constexpr, NSS_P2: tl.constexpr,
+                            G: tl.constexpr, HAS_S: tl.constexpr, UNROT: tl.constexpr):
+    """Merge the splits of output row r (one program per row) by log-sum-exp: the splits of a
+    first pass P (PO / PL), whose row for r = (n * HKV + h) * M + mm is (h * N_AGENTS + n) * M + mm
+    (the cascade's prefix pass keeps all agents of a KV head side by side; HKV = 1 makes it r), and
+    with HAS_S those of a second pass S (SO / SL) at row r — all splits of both loaded at once
+    ([splits, G] tiles). With UNROT the row goes from V's storage domain back to true space
+    (y_g = o_g @ M^T per group of G, ROT = M float32 [G, G]); stored in OUT's dtype: the whole
+    epilogue of a decode or cascade call in one launch."""
     r = tl.program_id(0).to(tl.int64)
-    sp = tl.arange(0, NS_P2)
-    smask = sp < N_SPLITS
-    lse = tl.load(L_PART + r * N_SPLITS + sp, mask=smask, other=float("-inf"))
-    m = tl.max(lse, 0)
+    n = r // (HKV * M)
+    h = (r // M) % HKV
+    pr = (h * N_AGENTS + n) * M + r % M
+    sp = tl.arange(0, NSP_P2)
+    pmask = sp < NSP
+    lp = tl.load(PL + pr * NSP + sp, mask=pmask, other=float("-inf"))
+    m = tl.max(lp, 0)
+    if HAS_S:
+        ss = tl.arange(0, NSS_P2)
+        smask = ss < NSS
+        ls = tl.load(SL + r * NSS + ss, mask=smask, other=float("-inf"))
+        m = tl.maximum(m, tl.max(ls, 0))
     m_safe = tl.where(m == float("-inf"), 0.0, m)
-    w = tl.exp(lse - m_safe)  # 0 for empty splits
-    tot = tl.sum(w, 0)
+    wp = tl.exp(lp - m_safe)  # 0 for absent splits
+    tot = tl.sum(wp, 0)
+    if HAS_S:
+        ws = tl.exp(ls - m_safe)
+        tot += tl.sum(ws, 0)
     den = tl.where(tot > 0, tot, 1.0)
     gi = tl.arange(0, G)
     if UNROT:
         mt = tl.load(ROT + gi[None, :] * G + gi[:, None])  # mt[i, j] = M[j, i]
     for g in tl.static_range(D // G):
         d = g * G + gi
-        o = tl.load(O_PART + (r * N_SPLITS + sp)[:, None] * D + d[None, :], mask=smask[:, None],
-                    other=0.0)
-        out = tl.sum(o * w[:, None], 0) / den
-        if UNROT:
+        o = tl.load(PO + (pr * NSP + sp)[:, None] * D + d[None, :], mask=pmask[:, None], other=0.0)
+        acc = tl.sum(o * wp[:, None], 0)
+        if HAS_S:
+            o = tl.load(SO + (r * NSS + ss)[:, None] * D + d[None, :], mask=smask[:, None],
+                        other=0.0)
+            acc += tl.sum(o * ws[:, None], 0)
+        out = acc / den
+        if UNROT:  # true space: y_g = o_g @ M^T, per rotation group
             out = tl.sum(out[:, None] * mt, 0)
         tl.store(OUT + r * D + d, out.to(OUT.dtype.element_ty))
     tl.store(LSE + r, tl.where(tot > 0, m_safe + tl.log(den), float("-inf")))
@@ -374,7 +394,7 @@ def decode_prepared(qp: torch.Tensor, n_q: int, k: Packed, v: Packed, k_codec, v
     V's storage domain and lse float32 [B, Hkv, M]; with out_dtype, out is in true space
     (unrotated) and that dtype."""
     parts = decode_parts(qp, n_q, k, v, k_codec, v_codec, kv_lens, **kw)
-    return combine_splits(parts.o, parts.lse, parts.n_splits, tuple(qp.shape), v_codec, out_dtype)
+    return combine_splits(parts, tuple(qp.shape), v_codec, out_dtype)
 
 
 def decode_parts(qp: torch.Tensor, n_q: int, k: Packed, v: Packed, k_codec, v_codec,
@@ -539,21 +559,28 @@ def plan_split_len(S: int, groups: int, target: int, block_n: int, max_split: in
     return split_len
 
 
-def combine_splits(o_part: torch.Tensor, l_part: torch.Tensor, n_splits: int, shape: tuple,
-                   v_codec, out_dtype: torch.dtype | None = None):
-    """Stage 2: merge the n_splits partial results of each row ([rows * n_splits * D] / [rows *
-    n_splits] float32, the kernels' layout) by log-sum-exp into out [*shape] (float32, V storage
-    domain; with out_dtype: true space, that dtype) and lse float32 [*shape[:-1]]."""
-    dev = o_part.device
-    D = shape[-1]
-    rows = math.prod(shape[:-1])
+def combine_splits(parts: SplitParts, shape: tuple, v_codec, out_dtype: torch.dtype | None = None,
+                   *, second: SplitParts | None = None, heads_major: bool = False):
+    """Stage 2 in one launch: merge every split of `parts` (and of `second`, a second pass over
+    other keys of the same rows) by log-sum-exp into out [*shape] = [B, Hkv, M, D] (float32, V's
+    storage domain; with out_dtype: true space, that dtype) and lse float32 [B, Hkv, M].
+    parts' rows are in shape's order, or with heads_major in [Hkv, B, M] order (the cascade's
+    prefix pass: all agents of a KV head side by side); second's rows in shape's order."""
+    B, Hkv, M, D = shape
+    dev = parts.o.device
     unrot = out_dtype is not None and getattr(v_codec, "rotated", False)
     out = torch.empty(shape, dtype=out_dtype or torch.float32, device=dev)
     lse = torch.empty(shape[:-1], dtype=torch.float32, device=dev)
-    rot = rotation_matrix(v_codec.group, dev) if unrot else placeholder(dev)
-    _combine_kernel[(rows,)](o_part, l_part, out, lse, rot, n_splits, D=D,
-                             NS_P2=next_pow2(n_splits),
-                             G=v_codec.group if unrot else D, UNROT=unrot)
+    rows = B * Hkv * M
+    if rows:
+        s = second or parts  # never read without a second pass
+        nss = second.n_splits if second else 1
+        _combine_kernel[(rows,)](
+            parts.o, parts.lse, s.o, s.lse, out, lse,
+            rotation_matrix(v_codec.group, dev) if unrot else placeholder(dev),
+            *((Hkv, M, B) if heads_major else (1, 1, 1)), parts.n_splits, nss, D=D,
+            NSP_P2=next_pow2(parts.n_splits), NSS_P2=next_pow2(nss),
+            G=v_codec.group if unrot else D, HAS_S=second is not None, UNROT=unrot)
     return out, lse
 
 
