@@ -3,7 +3,7 @@ context length (GPU): CUDA-graph replay time per config and agent count, best fi
 output checked against the torch reference on the same packed data (rel. error in the JSON), and
 the fp16 dense cascade (bench.attention.dense_cascade) timed once per agent count in the same run.
 
-    PYTHONPATH=. python3 polykv/bench/cascade_sweep.py [--ctx 32768] [--agents 8,32,64]
+    PYTHONPATH=. python3 polykv/bench/cascade_sweep.py [--ctx 32768] [--agents 8,32,64] [--configs JSON]
 
 Writes cascade_sweep.json under $OUT (or .).
 """
@@ -65,11 +65,14 @@ def main() -> None:
     ap.add_argument("--agents", default="8,32,64")
     ap.add_argument("--k", default="q8_0")
     ap.add_argument("--v", default="turbo3")
+    ap.add_argument("--configs", default=None,
+                    help="a JSON list of tune dicts to sweep instead of CONFIGS ({} = the defaults)")
     ap.add_argument("--out", default=os.environ.get("OUT", "."))
     args = ap.parse_args()
+    configs = json.loads(args.configs) if args.configs else CONFIGS
     rows = []
     for n in [int(a) for a in args.agents.split(",")]:
-        for i, cfg in enumerate(CONFIGS):
+        for i, cfg in enumerate(configs):
             tune = _resolve(cfg)
             try:
                 r = bench_one(args.ctx, n, args.k, args.v, suffix=64, sdpa=i == 0, tune=tune)
