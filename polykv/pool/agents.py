@@ -56,11 +56,14 @@ Semantics
 from __future__ import annotations
 
 import itertools
+import operator
 from dataclasses import dataclass, field
 
 import torch
 
-from ..generation import SamplingRows
+from ..generation import SamplingRows, greedy_ids
+
+_slot, _drafts = operator.attrgetter("slot"), operator.attrgetter("drafts")
 
 _ON_DEVICE = -1
 """A pending token chosen by `step_tokens_ahead` and not read on the host yet: the step that takes it
@@ -181,23 +184,33 @@ class AgentBatch:
         if self._graphs is not None and k > 0:
             self._graphs.expect_columns(int(k) + 1)
 
-    def feed(self, tokens: dict[int, int]) -> None:
-        """Queue one token per agent ({aid: token_id}) for the next step."""
+    def feed(self, tokens: dict[int, int], drafts: dict[int, list[int]] | None = None) -> None:
+        """Queue one token per agent ({aid: token_id}) for the next step; drafts: as `feed_drafts`
+        after them (the speculative loop's one call per step)."""
+        agents = self._agents
         for aid, t in tokens.items():
             t = int(t)
             if t < 0:
                 raise ValueError(f"agent {aid}: token ids are not negative (got {t})")
-            self._get(aid).pending.append(t)
+            a = agents.get(aid)
+            if a is None:
+                self._get(aid)  # raises
+            a.pending.append(t)
+        if drafts:
+            self.feed_drafts(drafts)
 
     def feed_drafts(self, drafts: dict[int, list[int]]) -> None:
         """Queue draft tokens ({aid: [d1, ...]}) after each agent's pending token(s), to be verified
         by the next `step_verify` (an agent needs a pending token first: its last chosen one)."""
+        agents = self._agents
         for aid, ds in drafts.items():
-            a = self._get(aid)
+            a = agents.get(aid)
+            if a is None:
+                self._get(aid)  # raises
             if ds:
                 if not a.pending:
                     raise ValueError(f"agent {aid}: drafts need a pending token to follow")
-                a.pending.extend(int(t) for t in ds)
+                a.pending += map(int, ds)
                 a.drafts += len(ds)
 
     def remove(self, aid: int) -> None:
@@ -348,18 +361,55 @@ class AgentBatch:
         self._check_open()
         # one forward for the drafting agents and the plain decoders (one pending token) beside
         # them: a second forward would cost the whole weight read and prefix pass again
-        drafting = any(a.drafts for a in self._agents.values())
-        joins = [a for a in self._agents.values() if a.pending and (a.drafts or (drafting and len(a.pending) == 1))]
-        verifiers = sorted(joins, key=lambda a: a.slot)
-        ids_v = {a.aid for a in verifiers}
-        plain = [a for a in self._agents.values() if a.pending and a.aid not in ids_v]
+        agents = self._agents.values()
+        drafting = any(a.drafts for a in agents)
+        verifiers, plain = [], []
+        for a in agents:
+            if a.pending:
+                (verifiers if a.drafts or (drafting and len(a.pending) == 1) else plain).append(a)
         out = {aid: [t] for aid, t in self._choose(self._run_pending(plain)).items()} if plain else {}
         if not verifiers:
             return out
-        keep = max(a.drafts for a in verifiers) + 1
-        logits = self._forward(verifiers, keep=keep)[0]  # [G, keep, vocab]
+        verifiers.sort(key=_slot)
+        keep = max(map(_drafts, verifiers)) + 1
+        logits, greedy = self._forward(verifiers, keep=keep)  # [G, keep, vocab], [G, keep] or None
+        drawn = [a.sampling is not None and a.sampling[0] for a in verifiers]
+        if any(drawn):
+            chosen = self._verify_drawn(verifiers, drawn, logits, keep)
+        else:  # greedy: every column's argmax (the step's own when captured), one copy
+            chosen = _to_host(greedy if greedy is not None else greedy_ids(logits))
+        cut_slots, cuts = [], []
+        for a, mine in zip(verifiers, chosen):
+            d = a.drafts
+            pending = a.pending
+            if d:
+                # agent g's columns: keep - d - 1 .. keep - 1 (its pending token, its drafts)
+                mine = mine[keep - d - 1:]
+                base = len(pending) - d
+                m = 0
+                while m < d and pending[base + m] == mine[m]:
+                    m += 1
+                out[a.aid] = pending[base: base + m] + [mine[m]]
+                if m < d:  # rejected drafts: their rows rolled back below
+                    del pending[base + m:]
+                    cut_slots.append(a.slot)
+                    cuts.append(d - m)
+            else:
+                out[a.aid] = [mine[-1]]
+            a.tokens += pending
+            a.pending, a.drafts, a.logits = [], 0, None
+        if cuts:  # rejected rows rolled back, all agents at once
+            self.cache.rollback(cut_slots, cuts)
+        self.peak_bytes = max(self.peak_bytes, self.cache.nbytes())
+        return out
+
+    def _verify_drawn(self, verifiers: list[_Agent], drawn: list[bool], logits: torch.Tensor, keep: int) -> list[list[int]]:
+        """step_verify's token choice when some agent samples: per agent its chosen ids of its own
+        columns (pending token, drafts) — argmax, or its counter-based draw at that token index
+        (`SamplingRows.draw`) — and its sampling counter advanced by what it will emit. Returns one
+        list per verifier, right-aligned to `keep` as the greedy path's rows (only the agent's last
+        drafts + 1 entries are read)."""
         dev = logits.device
-        # flat rows: agent g's columns keep - drafts_g - 1 .. keep - 1 (its pending token, its drafts)
         gi, ci = [], []  # one host list pair, one copy: the (agent, column) rows of `flat`
         for g, a in enumerate(verifiers):
             gi += [g] * (a.drafts + 1)
@@ -367,46 +417,27 @@ class AgentBatch:
         idx = torch.tensor([gi, ci], dtype=torch.long).to(dev)
         flat = logits[idx[0], idx[1]]
         ids = torch.argmax(flat, dim=-1)
-        drawn = [a.sampling is not None and a.sampling[0] for a in verifiers]
-        if any(drawn):
-            cols = [(g, j) for g, a in enumerate(verifiers) for j in range(a.drafts + 1)]
-            slots = torch.tensor([verifiers[c[0]].slot for c in cols], dtype=torch.long, device=dev)
-            offset = torch.tensor([c[1] for c in cols], dtype=torch.long, device=dev)
-            filtered = any(a.sampling[1] for a, d in zip(verifiers, drawn) if d)
-            sampled = self._rows.draw(flat, slots, offset, filtered=filtered, greedy_ids=ids)
-            mask = torch.tensor([drawn[c[0]] for c in cols], device=dev)
-            ids = torch.where(mask, sampled, ids)
-        chosen = _to_host(ids)
-        pos = 0
-        advance, cut_slots, cuts = [], [], []
+        cols = [(g, j) for g, a in enumerate(verifiers) for j in range(a.drafts + 1)]
+        slots = torch.tensor([verifiers[c[0]].slot for c in cols], dtype=torch.long, device=dev)
+        offset = torch.tensor([c[1] for c in cols], dtype=torch.long, device=dev)
+        filtered = any(a.sampling[1] for a, d in zip(verifiers, drawn) if d)
+        sampled = self._rows.draw(flat, slots, offset, filtered=filtered, greedy_ids=ids)
+        mask = torch.tensor([drawn[c[0]] for c in cols], device=dev)
+        flat_ids = _to_host(torch.where(mask, sampled, ids))
+        rows, advance, pos = [], [], 0
         for a in verifiers:
             n = a.drafts + 1
-            mine = chosen[pos: pos + n]
+            mine = flat_ids[pos: pos + n]
             pos += n
+            drafts = a.pending[len(a.pending) - a.drafts:]
             m = 0
-            if a.drafts:
-                drafts = a.pending[len(a.pending) - a.drafts:]
-                while m < a.drafts and drafts[m] == mine[m]:
-                    m += 1
-                out[a.aid] = drafts[:m] + [mine[m]]
-            else:
-                out[a.aid] = mine
-            rejected = a.drafts - m
-            if rejected:
-                a.tokens += a.pending[: len(a.pending) - rejected]
-                cut_slots.append(a.slot)
-                cuts.append(rejected)
-            else:
-                a.tokens += a.pending
-            a.pending, a.drafts, a.logits = [], 0, None
+            while m < a.drafts and drafts[m] == mine[m]:
+                m += 1
             advance.append(m + 1)
-        if cuts:  # rejected rows rolled back, all agents at once
-            self.cache.rollback(cut_slots, cuts)
-        if any(drawn):
-            slots = torch.tensor([a.slot for a in verifiers], dtype=torch.long, device=dev)
-            self._rows.advance(slots, torch.tensor(advance, dtype=torch.long, device=dev))
-        self.peak_bytes = max(self.peak_bytes, self.cache.nbytes())
-        return out
+            rows.append([0] * (keep - n) + mine)
+        slots = torch.tensor([a.slot for a in verifiers], dtype=torch.long, device=dev)
+        self._rows.advance(slots, torch.tensor(advance, dtype=torch.long, device=dev))
+        return rows
 
     def _run_pending(self, agents=None) -> list[tuple[list[_Agent], torch.Tensor, torch.Tensor | None]]:
         """Forward every agent (of `agents`, default all) with pending tokens: decoders (one token)
@@ -437,12 +468,14 @@ class AgentBatch:
             raise
 
     def _forward_once(self, group: list[_Agent], keep: int) -> tuple[torch.Tensor, torch.Tensor | None]:
-        n_q = max(len(a.pending) for a in group)
-        if self._graphs is not None and all(a.slot == g for g, a in enumerate(group)):
+        pending = [a.pending for a in group]
+        n_q = max(map(len, pending))
+        # sorted distinct slots ending at len - 1: slots 0..G-1
+        if self._graphs is not None and group[-1].slot == len(group) - 1:
             if not keep and n_q == 1:
-                return self._graphs.run([a.pending[0] for a in group], self._fb)
-            if keep:  # a verification step: captured per (bucket, exact width)
-                return self._graphs.run_columns([a.pending for a in group], keep, self._fb), None
+                return self._graphs.run([p[0] for p in pending], self._fb)
+            if keep:  # a verification step: captured per (bucket, exact width), greedy ids computed inside
+                return self._graphs.run_columns(pending, keep, self._fb, greedy=True)
         model = self.pool.model
         counts = [len(a.pending) for a in group]
         ids = torch.full((len(group), n_q), self.pool._pad_id, dtype=torch.long)

@@ -20,7 +20,10 @@ Verification steps of speculative decoding (`run_columns`: each agent feeds its 
 its drafts, up to n_q columns, left-padded) are captured the same way per (bucket, n_q) with the
 exact n_q = widest agent's columns: a step costs what its widest agent needs, no power-of-two
 rounding (5 columns ran as 8 before). More widths mean more captures, paid once per pool and
-document now that captured steps outlive a batch (below); the graph keeps the logits of every column.
+document now that captured steps outlive a batch (below); the graph keeps the logits of every column
+and their greedy ids ([B, n_q]: `step_verify` copies those and gathers nothing on the host). The host
+buffer is filled with NumPy over [n, n_q] (write row = page_table[slot, p // P]·P + p mod P), not
+per agent and column.
 
 With speculation (`expect_columns`: up to k+1 columns) the batch's bucket captures every width
 1..k+1 on its first step, so no later step of the run captures.
@@ -42,8 +45,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+import numpy as np
 import torch
 
+from ..generation import greedy_ids
 from ..hf.graphs import capture_graph
 from .agent_cache import AgentCache, Group, dummy_mask
 
@@ -60,6 +65,17 @@ def graphs_supported(cache: AgentCache) -> bool:
             and cache.backend == "auto" and dispatch.use_triton(cache.store[0].k.codes))
 
 
+_COLS: dict[int, np.ndarray] = {}
+
+
+def _col_offsets(n_q: int) -> np.ndarray:
+    """int64 [1, n_q]: -n_q .. -1, column j's suffix position relative to the agent's new length."""
+    got = _COLS.get(n_q)
+    if got is None:
+        got = _COLS[n_q] = np.arange(-n_q, 0, dtype=np.int64)[None, :]
+    return got
+
+
 def bucket(n: int) -> int:
     """Static batch size of a step of n agents: the next power of two."""
     return 1 << max(0, n - 1).bit_length()
@@ -73,7 +89,7 @@ class _Captured:
     # rows, position ids
     inp: torch.Tensor  # int64 [3, B, n_q] on the device: the last uploaded host buffer
     out: dict  # n_q = 1: "logits" float32 [B, vocab], "greedy" int64 [B]; n_q > 1: "logits"
-    # float32 [B, n_q, vocab]. Written by each replay.
+    # float32 [B, n_q, vocab], "greedy" int64 [B, n_q]. Written by each replay.
     uploaded: list = field(default_factory=lambda: [None, None])  # CUDA event after each buffer's copy
     turn: int = 0
 
@@ -137,18 +153,22 @@ class DecodeGraphs:
         out = self._replay([[t] for t in tokens], 1, feedback)
         return out["logits"][: len(tokens)], out["greedy"][: len(tokens)]
 
-    def run_columns(self, columns: list[list[int]], keep: int, feedback: torch.Tensor | None = None) -> torch.Tensor:
+    def run_columns(self, columns: list[list[int]], keep: int, feedback: torch.Tensor | None = None,
+                    greedy: bool = False):
         """One forward of the agents in slots 0..len(columns)-1, agent g feeding columns[g] (1 or
         more tokens, its pending token and drafts; a negative token: feedback[g], as in `run`),
         left-padded to n_q >= keep columns. Returns
         float32 [n, keep, vocab] logits of the last `keep` columns (a device view valid until the
-        next replay). Advances the cache's host lengths by each agent's token count."""
-        width = max(len(c) for c in columns)
+        next replay); greedy=True: (those logits, int64 [n, keep] their argmax — computed inside
+        the step, as a plain step's greedy ids). Advances the cache's host lengths by each agent's
+        token count."""
+        width = max(map(len, columns))
         if keep > width:
             raise ValueError(f"keep={keep} exceeds the widest agent ({width} tokens)")
         n_q = max(2, width)  # exact: a step costs its widest agent's columns, nothing rounded up
         out = self._replay(columns, n_q, feedback)
-        return out["logits"][: len(columns), n_q - keep:]
+        logits = out["logits"][: len(columns), n_q - keep:]
+        return (logits, out["greedy"][: len(columns), n_q - keep:]) if greedy else logits
 
     def _replay(self, columns: list[list[int]], n_q: int, feedback: torch.Tensor | None = None) -> dict:
         cache = self.cache
@@ -161,12 +181,17 @@ class DecodeGraphs:
             B = min((b for b, w in self._graphs if w == n_q and B < b <= bucket(self._peak)), default=B)
         if B > cache.batch_capacity:
             cache.reserve(B)
-        # host bookkeeping in plain Python (a few microseconds for tens of agents)
-        base = cache.lens[:n].tolist()
-        counts = [len(c) for c in columns]
+        # host bookkeeping: NumPy over [n, n_q] (views of the host lengths and page table), no
+        # Python per column (a verify step's columns were a list each per agent)
+        lens = cache.lens.numpy()
+        base = lens[:n].copy()
+        counts = np.fromiter(map(len, columns), dtype=np.int64, count=n)
+        new = base + counts
         pages = cache.pages
-        for slot, (b, c) in enumerate(zip(base, counts)):
-            pages.ensure(slot, b + c)
+        P = pages.page_size
+        owned = pages.owned
+        for slot in np.flatnonzero(-(-new // P) > np.fromiter(map(len, owned[:n]), dtype=np.int64, count=n)).tolist():
+            pages.ensure(slot, int(new[slot]))  # a new page (every P rows of an agent)
         cache.grow_storage()  # the pools follow the pages ensure added
         if cache.storage_version != self._version:
             self._graphs.clear()
@@ -183,18 +208,29 @@ class DecodeGraphs:
                     self._capture(B, w)
         cap = self._graphs.get((B, n_q)) or self._capture(B, n_q)
         h = cap.staging()
-        toks, rows, pos = [], [], []
-        for slot, (b, col) in enumerate(zip(base, columns)):
-            pad = n_q - len(col)
-            new = b + len(col)
-            toks.append([self.pad_id] * pad + list(col))
-            rows.append([cache.scratch_row()] * pad + [pages.row(slot, b + j) for j in range(len(col))])
-            # padded columns: the positions before the real ones (as AgentCache.begin), clamped
-            pos.append([max(0, cache.doc_len + new - n_q + j) for j in range(n_q)])
-        h[:, :n] = torch.tensor([toks, rows, pos], dtype=torch.long)
+        hn = h.numpy()  # pinned host memory on CUDA, viewed
+        pad = self.pad_id
+        toks = hn[0, :n]
+        if n_q == 1:
+            toks[:, 0] = [c[0] for c in columns]
+        else:  # one flat list, left-padded per agent (a list per agent cost 1.6x)
+            flat = []
+            for c in columns:
+                if len(c) < n_q:
+                    flat += [pad] * (n_q - len(c))
+                flat += c
+            toks.reshape(-1)[:] = flat
+        # column j of agent g: suffix position new[g] - n_q + j; before base[g]: padding (scratch)
+        p = new[:, None] + _col_offsets(n_q)
+        real = p >= base[:, None]
+        pc = np.maximum(p, 0)
+        rows = pages.table.numpy()[np.arange(n)[:, None], pc // P].astype(np.int64) * P + pc % P
+        hn[1, :n] = np.where(real, rows, cache.scratch_row())
+        # padded columns: the positions before the real ones (as AgentCache.begin), clamped
+        hn[2, :n] = np.maximum(p + cache.doc_len, 0)
         self._fill_padding(h, n, cache.scratch_row())
         cap.upload(h)
-        fed = sum(t < 0 for col in columns for t in col)  # ids only the device knows (feedback)
+        fed = int((toks < 0).sum())  # ids only the device knows (feedback)
         if fed:
             if feedback is None:
                 raise ValueError("negative tokens need the feedback row")
@@ -207,13 +243,16 @@ class DecodeGraphs:
             cap.graph.replay()
         else:
             cap.fn()
-        cache.lens[:n] += torch.tensor(counts, dtype=cache.lens.dtype)
+        lens[:n] = new
         return cap.out
 
     def _fill_padding(self, h: torch.Tensor, n: int, scratch: int) -> None:
         """Padded rows: pad token, write to the scratch row, position doc_len - 1 (an empty suffix)."""
-        if n < h.shape[1]:
-            h[:, n:] = torch.tensor([[self.pad_id], [scratch], [self.cache.doc_len - 1]])[:, :, None]
+        if n < h.shape[1]:  # NumPy views: no tensor built per step while agents finish
+            hn = h.numpy()
+            hn[0, n:] = self.pad_id
+            hn[1, n:] = scratch
+            hn[2, n:] = self.cache.doc_len - 1
 
     def _capture(self, B: int, n_q: int) -> _Captured:
         cache, dev = self.cache, self.cache.device
@@ -237,11 +276,10 @@ class DecodeGraphs:
                                      past_key_values=cache, use_cache=True, logits_to_keep=n_q)
             finally:
                 cache._group = None
-            if n_q == 1:
-                out["logits"] = res.logits[:, -1].float()
-                out["greedy"] = torch.argmax(out["logits"], dim=-1)
-            else:
-                out["logits"] = res.logits.float()
+            # greedy ids of every column inside the step (a verify step's too: no gather of the
+            # kept columns and no index upload per step)
+            out["logits"] = res.logits[:, -1].float() if n_q == 1 else res.logits.float()
+            out["greedy"] = greedy_ids(out["logits"])
 
         graph = None
         if self.capture:

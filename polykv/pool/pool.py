@@ -721,29 +721,35 @@ class SharedKVPool:
                     times.observe(n_step, width, step_s[-1][1])
                 steps += 1
                 feed, limits = {}, {}
+                record = spec.record if spec is not None else None
                 for a in aids:
                     if a not in live:
                         continue
                     emitted = chosen[a]
-                    if spec is not None:
-                        spec.record(a, emitted, drafted.get(a, 0))
-                    done = False
-                    for t in emitted:  # the plain loop's rules, token by token
-                        if t in eos:
-                            done = True
-                        else:
-                            outs[a].append(t)
-                            done = len(outs[a]) >= max_new_tokens or (
-                                stops and find_stop(self.tok.decode(outs[a], skip_special_tokens=True), stops) >= 0)
-                        if done:
-                            break
+                    if record is not None:
+                        record(a, emitted, drafted.get(a, 0))
+                    out = outs[a]
+                    if not stops and len(out) + len(emitted) < max_new_tokens and eos.isdisjoint(emitted):
+                        out += emitted  # what the rules below do when no token ends the agent
+                        done = False
+                    else:
+                        done = False
+                        for t in emitted:  # the plain loop's rules, token by token
+                            if t in eos:
+                                done = True
+                            else:
+                                out.append(t)
+                                done = len(out) >= max_new_tokens or (
+                                    stops and find_stop(self.tok.decode(out, skip_special_tokens=True), stops) >= 0)
+                            if done:
+                                break
                     if done:
                         live.discard(a)
                         if spec is not None:
                             spec.remove(a)
                     else:
                         feed[a] = emitted[-1]
-                        limits[a] = max_new_tokens - len(outs[a]) - 1
+                        limits[a] = max_new_tokens - len(out) - 1
                 # every agent's drafts, cut to the one width the batch step is worth (WidthPlanner)
                 drafts = spec.propose_all(limits, agents=len(feed)) if spec is not None else {}
                 self.peak_agent_bytes = max(self.peak_agent_bytes, batch.nbytes())
@@ -751,9 +757,9 @@ class SharedKVPool:
                 if len(live) < len(batch):  # agents done this step leave the batch
                     for a in [a for a in batch.agents() if a not in live]:
                         batch.remove(a)
-                batch.feed(feed)
-                drafted = {a: len(d) for a, d in drafts.items() if d}
-                batch.feed_drafts({a: d for a, d in drafts.items() if d})
+                drafts = {a: d for a, d in drafts.items() if d}
+                batch.feed(feed, drafts)  # the token each agent emitted last, then its drafts
+                drafted = {a: len(d) for a, d in drafts.items()}
             captures = batch.graph_captures
         texts = []
         for a in aids:

@@ -84,6 +84,7 @@ class NgramIndex:
         self._sa = sa.tolist()
         self._memo: dict = {}  # (pattern tuple, limit) -> occurrences
         self._starts: dict = {}  # pattern tuple -> draft_start
+        self._longest: dict = {}  # (tail tuple, min n) -> (n, draft_start) of `longest`
 
     def __len__(self) -> int:
         return len(self.ids)
@@ -141,6 +142,25 @@ class NgramIndex:
         return got
 
 
+    def longest(self, tail: tuple, lo: int) -> tuple[int, int]:
+        """(n, draft_start) of the longest tail[-n:], n from len(tail) down to lo, with a document
+        draft (`draft_start` >= 0); (0, -1) when none. Memoised per (tail, lo): one dict lookup
+        per agent per step instead of one per n (agents quoting a document repeat their tails)."""
+        key = (tail, lo)
+        got = self._longest.get(key)
+        if got is None:
+            got = (0, -1)
+            for n in range(len(tail), lo - 1, -1):
+                p = self.draft_start(tail[len(tail) - n:])
+                if p >= 0:
+                    got = (n, p)
+                    break
+            if len(self._longest) >= 1 << 18:
+                self._longest.clear()
+            self._longest[key] = got
+        return got
+
+
 def _own_match(ctx: list[int], n: int) -> int:
     """Index just after the latest earlier occurrence of ctx[-n:] inside ctx (-1: none)."""
     pat = ctx[-n:]
@@ -160,8 +180,12 @@ class PromptLookup:
     token, not one per n), and only when the document has no draft at the n where the own tokens
     would be asked. A lookup walks the ends of the context's last min_ngram tokens, latest first,
     and extends each match backwards: the latest end matching n tokens is the one
-    `_own_match(ctx, n)` returns. Any other context (or one whose indexed tail changed) is indexed
-    from scratch; the result is `_own_match`'s either way."""
+    `_own_match(ctx, n)` returns (`_own_longest`). Any other context (or one whose indexed tail
+    changed) is indexed from scratch; the result is `_own_match`'s either way.
+
+    The document is asked once per call (`NgramIndex.longest`: its longest n, memoised per tail);
+    the own tokens only when that n is below the longest tail, and they win only above it — the
+    order of the scan n = max_ngram .. min_ngram, document before own tokens at each n."""
 
     def __init__(self, index: NgramIndex | None, max_ngram: int = 6, min_ngram: int = 2, own: bool = True):
         self.index, self.max_ngram, self.min_ngram, self.own = index, int(max_ngram), int(min_ngram), own
@@ -188,26 +212,25 @@ class PromptLookup:
         self._tail = ctx[self._end - 1] if self._end else None
         return ends
 
-    def _own_ends(self, ctx, top: int) -> list[int]:
-        """own[n] for n <= top: the end of the latest earlier occurrence of ctx[-n:] in ctx, -1
-        when none (n < min_ngram unused)."""
+    def _own_longest(self, ctx, top: int) -> tuple[int, int]:
+        """(n, e): the longest tail ctx[-n:] (n <= top, >= min_ngram) occurring earlier in ctx and
+        the end e of its latest such occurrence ((0, -1) when none) — what a scan of n from top
+        down with `_own_match` finds first. One walk over the ends of the context's last min_ngram
+        tokens, latest first, each match extended backwards (no list per n)."""
         lo, L = self.min_ngram, len(ctx)
-        own = [-1] * (top + 1)
-        missing = top - lo + 1
         e = self._own_index(ctx).get(tuple(ctx[L - lo:]), -1)
         prev = self._prev
-        while e >= 0:  # latest end first
+        best_n, best_e = 0, -1
+        while e >= 0:  # latest end first: the first end reaching a length is its latest
             j = lo  # ctx[e - lo: e] == ctx[-lo:] by the key; extend backwards up to top, not before 0
             while j < top and j < e and ctx[e - 1 - j] == ctx[L - 1 - j]:
                 j += 1
-            for n in range(lo, j + 1):
-                if own[n] < 0:
-                    own[n] = e
-                    missing -= 1
-            if not missing:
-                break
+            if j > best_n:
+                best_n, best_e = j, e
+                if j == top:
+                    break
             e = prev[e]
-        return own
+        return best_n, best_e
 
     def propose(self, context_ids: list[int], k: int) -> list[int]:
         ctx = context_ids
@@ -215,20 +238,17 @@ class PromptLookup:
             return []
         L, lo = len(ctx), self.min_ngram
         top = min(self.max_ngram, L)
+        if top < lo:
+            return []
         index = self.index
-        own = None
-        for n in range(top, lo - 1, -1):  # longest tail first; at one n the document before the own tokens
-            if index is not None:
-                p = index.draft_start(tuple(ctx[L - n:]))
-                if p >= 0:
-                    return index.ids[p: p + k]
-            if self.own:
-                if own is None:
-                    own = self._own_ends(ctx, top)
-                j = own[n]
-                if j >= 0:
-                    return ctx[j: j + k]
-        return []
+        # longest tail first; at one n the document before the own tokens: the document's longest
+        # n (one memoised lookup), then the own tokens only above it
+        n_doc, p = index.longest(tuple(ctx[L - top:]), lo) if index is not None else (0, -1)
+        if n_doc < top and self.own:
+            n, j = self._own_longest(ctx, top)
+            if n > n_doc:
+                return ctx[j: j + k]
+        return index.ids[p: p + k] if n_doc else []
 
 
 # --------------------------------------------------------------------------------------------

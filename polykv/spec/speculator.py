@@ -167,7 +167,12 @@ class Speculator:
             if st is None:
                 continue
             length = st.length
-            d = out[key] = draft(st, min(length.k_max, int(limit)))
+            k = min(length.k_max, int(limit))
+            drafter = st.drafter
+            if type(drafter) is PromptLookup and k > 0:  # `_draft`'s first case, without its call
+                d = out[key] = drafter.propose(st.context, k)
+            else:
+                d = out[key] = draft(st, k)
             if length.fixed:
                 fixed_w = max(fixed_w, len(d))
             else:
