@@ -9,6 +9,7 @@ import torch
 from polykv import SharedKVPool
 from polykv.spec.invariant import row_invariant
 from tests.pool.conftest import CharTok, tiny_llama
+from tests.spec.helpers import greedy_plain_and_spec
 
 DOC = "the quick brown fox jumps over the lazy dog while the cat sleeps. " * 6
 PROMPTS = ["abc", "the quick", "xyz brown fox", "lazy dog while", "q", "sleeps. the"]
@@ -25,13 +26,8 @@ def setup():
 @pytest.mark.parametrize("method", ["prompt_lookup", "suffix_tree"])
 def test_greedy_is_token_identical(setup, method):
     model, pool, doc = setup
-    with row_invariant(model):
-        pool.generate(doc, PROMPTS, max_new_tokens=40)
-        plain = pool.last_generate["answer_ids"]
-        pool.generate(doc, PROMPTS, max_new_tokens=40, speculative={"method": method, "num_draft_tokens": 4,
-                                                                   "adaptive": False})
-    st = pool.last_generate["speculative"]
-    assert pool.last_generate["answer_ids"] == plain
+    plain, spec, st = greedy_plain_and_spec(model, pool, doc, PROMPTS, method, 40)
+    assert spec == plain
     assert st["accepted"] > 0 and st["accepted"] < st["drafted"]  # both accept and reject paths ran
     assert st["steps"] < pool.last_generate["steps"] + 1
     assert {"steps", "drafted", "accepted", "tokens"} <= set(st)

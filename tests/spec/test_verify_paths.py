@@ -19,6 +19,7 @@ from polykv.pool import decode_graph
 from polykv.spec.invariant import row_invariant
 from polykv.spec.verify import accept_greedy
 from tests.pool.conftest import CharTok, tiny_llama
+from tests.spec.helpers import greedy_plain_and_spec
 
 DOC = "the quick brown fox jumps over the lazy dog while the cat sleeps. " * 6
 PROMPTS = ["abc", "the quick", "xyz brown fox", "lazy dog while", "q", "sleeps. the", "fox", "dog while the cat"]
@@ -120,13 +121,8 @@ def test_static_speculative_generate_is_token_identical(setup, static_steps, met
     """generate through the static steps (the GPU loop's host path): greedy speculative == plain,
     with accepted and rejected drafts, agents finishing at max_new_tokens inside accepted runs."""
     model, pool, doc = setup
-    with row_invariant(model):
-        pool.generate(doc, PROMPTS, max_new_tokens=33)
-        plain = pool.last_generate["answer_ids"]
-        pool.generate(doc, PROMPTS, max_new_tokens=33, speculative={"method": method, "num_draft_tokens": 4,
-                                                                   "adaptive": False})
-    st = pool.last_generate["speculative"]
-    assert pool.last_generate["answer_ids"] == plain
+    plain, spec, st = greedy_plain_and_spec(model, pool, doc, PROMPTS, method, 33)
+    assert spec == plain
     assert st["accepted"] > 0 and (method == "suffix_tree" or st["accepted"] < st["drafted"])
     assert pool.last_generate["new_tokens"] == [33] * len(PROMPTS)
 

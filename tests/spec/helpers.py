@@ -1,0 +1,16 @@
+"""Shared steps of the speculative tests."""
+
+from __future__ import annotations
+
+from polykv.spec.invariant import row_invariant
+
+
+def greedy_plain_and_spec(model, pool, doc, prompts, method: str, max_new_tokens: int):
+    """Greedy `generate` plain, then speculative with a fixed draft length of 4, both under
+    `row_invariant(model)`: (plain answer ids, speculative answer ids, speculative stats)."""
+    with row_invariant(model):
+        pool.generate(doc, prompts, max_new_tokens=max_new_tokens)
+        plain = pool.last_generate["answer_ids"]
+        pool.generate(doc, prompts, max_new_tokens=max_new_tokens,
+                      speculative={"method": method, "num_draft_tokens": 4, "adaptive": False})
+    return plain, pool.last_generate["answer_ids"], pool.last_generate["speculative"]
