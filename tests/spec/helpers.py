@@ -2,7 +2,17 @@
 
 from __future__ import annotations
 
+from polykv import SharedKVPool
 from polykv.spec.invariant import row_invariant
+from tests.pool.conftest import CharTok, tiny_llama
+
+
+def spec_pool(doc):
+    """(model, pool, doc id): a seeded tiny Llama, a character tokenizer, K q8_0 / V turbo3, and
+    `doc` added."""
+    model = tiny_llama(seed=3)
+    pool = SharedKVPool(model, CharTok(), k="q8_0", v="turbo3")
+    return model, pool, pool.add_document(doc)
 
 
 def greedy_plain_and_spec(model, pool, doc, prompts, method: str, max_new_tokens: int):

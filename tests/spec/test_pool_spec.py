@@ -9,7 +9,7 @@ import torch
 from polykv import SharedKVPool
 from polykv.spec.invariant import row_invariant
 from tests.pool.conftest import CharTok, tiny_llama
-from tests.spec.helpers import greedy_plain_and_spec
+from tests.spec.helpers import greedy_plain_and_spec, spec_pool
 
 DOC = "the quick brown fox jumps over the lazy dog while the cat sleeps. " * 6
 PROMPTS = ["abc", "the quick", "xyz brown fox", "lazy dog while", "q", "sleeps. the"]
@@ -17,10 +17,7 @@ PROMPTS = ["abc", "the quick", "xyz brown fox", "lazy dog while", "q", "sleeps. 
 
 @pytest.fixture(scope="module")
 def setup():
-    model, tok = tiny_llama(seed=3), CharTok()
-    pool = SharedKVPool(model, tok, k="q8_0", v="turbo3")
-    doc = pool.add_document(DOC)
-    return model, pool, doc
+    return spec_pool(DOC)
 
 
 @pytest.mark.parametrize("method", ["prompt_lookup", "suffix_tree"])

@@ -13,13 +13,11 @@ import random
 import pytest
 import torch
 
-from polykv import SharedKVPool
 from polykv.generation import greedy_ids
 from polykv.pool import decode_graph
 from polykv.spec.invariant import row_invariant
 from polykv.spec.verify import accept_greedy
-from tests.pool.conftest import CharTok, tiny_llama
-from tests.spec.helpers import greedy_plain_and_spec
+from tests.spec.helpers import greedy_plain_and_spec, spec_pool
 
 DOC = "the quick brown fox jumps over the lazy dog while the cat sleeps. " * 6
 PROMPTS = ["abc", "the quick", "xyz brown fox", "lazy dog while", "q", "sleeps. the", "fox", "dog while the cat"]
@@ -27,10 +25,7 @@ PROMPTS = ["abc", "the quick", "xyz brown fox", "lazy dog while", "q", "sleeps. 
 
 @pytest.fixture(scope="module")
 def setup():
-    model, tok = tiny_llama(seed=3), CharTok()
-    pool = SharedKVPool(model, tok, k="q8_0", v="turbo3")
-    doc = pool.add_document(DOC)
-    return model, pool, doc
+    return spec_pool(DOC)
 
 
 @pytest.fixture
