@@ -16,7 +16,9 @@ takes per-layer K/V types allocated from it at that budget instead of the fixed 
 k= / v= keep the fixed types); `KVCache.precision["source"]` says which ("calibrated" / "fixed").
 Budgets: balanced 4.25 bits/value (16 / 4.25 = 3.76x fewer bytes than f16, gate 3.5x), max 3.125
 (5.12x, gate 5.0x): a little under each gate's 4.57 / 3.2 so that fp16 scales of odd head_dims
-and rounding never cross it.
+and rounding never cross it. Balanced at 4.375 / 4.5 passed on neither model (Gemma-3 ppl +1.15 %
+at both; SmolLM2 +1.01 % at 4.375, +0.43 % but real_frac 2/24 at 4.5): docs/quality.md, "Balanced's
+bits budget above 4.25".
 """
 
 from __future__ import annotations
