@@ -11,6 +11,7 @@ reference path.
 
 from __future__ import annotations
 
+import functools
 import importlib.util
 import math
 import os
@@ -36,7 +37,9 @@ def _forced() -> bool:
     return os.environ.get("POLYKV_FORCE_REFERENCE", "0") == "1"
 
 
+@functools.lru_cache(maxsize=None)
 def triton_available() -> bool:
+    """Whether triton is installed (looked up once: every attention call asks)."""
     return importlib.util.find_spec("triton") is not None
 
 

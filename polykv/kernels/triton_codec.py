@@ -28,6 +28,9 @@ the table baked into the asm string (asm_strings()).
 
 from __future__ import annotations
 
+from collections.abc import Mapping
+from types import MappingProxyType
+
 import numpy as np
 import torch
 import triton
@@ -41,8 +44,25 @@ from ..codecs.turbo import TurboCodec
 KIND_RAW, KIND_Q8, KIND_Q4, KIND_TURBO = 0, 1, 2, 3
 
 
-def codec_meta(codec: Codec) -> dict:
-    """Compile-time description of a codec for the kernels."""
+def _codec_key(codec: Codec) -> tuple:
+    """What the kernels' view of a codec depends on (its type, name, head_dim and group)."""
+    return type(codec).__name__, codec.name, codec.head_dim, getattr(codec, "group", 0)
+
+
+_META: dict = {}
+
+
+def codec_meta(codec: Codec) -> Mapping:
+    """Compile-time description of a codec for the kernels (read-only; built once per codec key:
+    every eager attention call asks for it several times)."""
+    key = _codec_key(codec)
+    m = _META.get(key)
+    if m is None:
+        m = _META[key] = MappingProxyType(_codec_meta(codec))
+    return m
+
+
+def _codec_meta(codec: Codec) -> dict:
     D = codec.head_dim
     if isinstance(codec, RawCodec):
         return dict(KIND=KIND_RAW, BITS=16, G=D, GW=D, NPH=1)
@@ -330,13 +350,21 @@ def placeholder(device, dtype: torch.dtype = torch.float32) -> torch.Tensor:
 # (block scale for q8_0 / q4_0, group norm for turbo, none for raw) is applied by the caller: to the
 # scores for K, to P for V.
 
-def phase_meta(codec: Codec) -> dict:
-    """codec_meta plus NSB (scale sub-blocks per planar phase) and PW (phase width)."""
-    m = dict(codec_meta(codec))
-    w = m["GW"] // m["NPH"]
-    m["NSB"] = w // 32 if m["KIND"] in (KIND_Q8, KIND_Q4) else 1
-    m["PW"] = w // m["NSB"]
-    return m
+_PHASE_META: dict = {}
+
+
+def phase_meta(codec: Codec) -> Mapping:
+    """codec_meta plus NSB (scale sub-blocks per planar phase) and PW (phase width); read-only,
+    built once per codec key."""
+    key = _codec_key(codec)
+    pm = _PHASE_META.get(key)
+    if pm is None:
+        m = dict(codec_meta(codec))
+        w = m["GW"] // m["NPH"]
+        m["NSB"] = w // 32 if m["KIND"] in (KIND_Q8, KIND_Q4) else 1
+        m["PW"] = w // m["NSB"]
+        pm = _PHASE_META[key] = MappingProxyType(m)
+    return pm
 
 
 def phase_ok(codec: Codec) -> bool:
