@@ -1,7 +1,8 @@
 """The cheaper host paths of a speculative step equal the ones they replaced, on random inputs:
 the lazily added outputs tree (reads at any point, clears, partial flushes, a deeper fit), drafts
-from an agent's tree handle instead of walks, prompt lookup's own-token index by min_ngram keys,
-the planner's per-agent rows, the memoised step times."""
+from an agent's tree handle instead of walks, the tree's per-token child dicts against the flat
+(id << 32 | token) dict they replaced, prompt lookup's own-token index by min_ngram keys, the
+planner's per-agent rows, the memoised step times."""
 
 from __future__ import annotations
 
@@ -70,6 +71,103 @@ def test_a_deeper_fit_adds_the_log_at_the_old_depth(data, k):
         for j in range(1, k + 3):
             assert lazy.propose(seq, j, hl) == eager.propose(seq, j)
     assert lazy.nodes == eager.nodes
+
+
+class _FlatTree(SuffixTree):
+    """The outputs tree before the per-token child dicts (polykv 0a6ab2d): one dict keyed by
+    (id << 32 | token), every logged entry added token by token with the clear checked each time."""
+
+    def _clear(self):
+        super()._clear()
+        self._child = {}
+
+    def flush(self, tokens=None):
+        while self._pending and (tokens is None or tokens > 0):
+            handle, toks = self._pending.popleft()
+            self._pending_tokens -= len(toks)
+            if tokens is not None:
+                tokens -= len(toks)
+            self._add(handle, toks)
+
+    def _add(self, handle, tokens):
+        for t in tokens:
+            if len(self._count) > self.max_nodes:
+                self.generation += 1
+                self._clear()
+            if handle[0] != self.generation:
+                handle[0], handle[1] = self.generation, []
+            child, count, total, best, tok = self._child, self._count, self._total, self._best, self._tok
+            t = int(t)
+            live = handle[1]
+            new = []
+            for node in live + [0]:
+                key = node << 32 | t
+                c = child.get(key)
+                if c is None:
+                    c = child[key] = len(count)
+                    count.append(1)
+                    total.append(0)
+                    best.append(-1)
+                    tok.append(t)
+                    if best[node] < 0:
+                        best[node] = c
+                else:
+                    n = count[c] = count[c] + 1
+                    b = best[node]
+                    if c != b and (n > count[b] or (n == count[b] and c < b)):
+                        best[node] = c
+                total[node] += 1
+                new.append(c)
+            handle[1] = new[1:] if len(live) >= self.depth - 1 else new
+
+    def _walk(self, pattern):
+        node = 0
+        for t in pattern:
+            node = self._child.get(node << 32 | int(t))
+            if node is None:
+                return None
+        return node
+
+
+@FAST
+@given(st.data(), st.integers(2, 7), st.integers(2, 12), st.sampled_from([25, 120, 500_000]),
+       st.sampled_from([0, 4, 1 << 16]))
+def test_token_child_dicts_equal_the_flat_dict_tree(data, vocab, depth, max_nodes, max_pending):
+    """Entries of several tokens from several sequences, clears falling inside an entry (small
+    max_nodes: `flush`'s token-by-token path), stale handles, partial flushes, a deeper fit, reads
+    at random points: the node ids, counts, totals, best children and tokens, the generation and
+    every draft (with the handle and walked) equal the flat dict tree's."""
+    new = SuffixTree(max_depth=depth, max_match=data.draw(st.integers(1, depth)), max_nodes=max_nodes,
+                     max_pending=max_pending)
+    old = _FlatTree(max_depth=new.max_depth, max_match=new.max_match, max_nodes=max_nodes, max_pending=max_pending)
+    k0 = data.draw(st.integers(1, 4))
+    new.fit(k0)
+    old.fit(k0)
+    seqs = [[] for _ in range(data.draw(st.integers(1, 4)))]
+    hn, ho = [new.start() for _ in seqs], [old.start() for _ in seqs]
+    for step in range(data.draw(st.integers(1, 50))):
+        i = data.draw(st.integers(0, len(seqs) - 1))
+        if data.draw(st.integers(0, 19)) == 0:  # a new sequence in this slot (its old handle left stale)
+            seqs[i], hn[i], ho[i] = [], new.start(), old.start()
+        toks = data.draw(st.lists(st.integers(0, vocab - 1), min_size=1, max_size=6))
+        seqs[i] += toks
+        new.extend_all(hn[i], toks)
+        old.extend_all(ho[i], toks)
+        if step == 7:
+            k = data.draw(st.integers(1, 6))
+            new.fit(k)
+            old.fit(k)
+        if data.draw(st.integers(0, 3)) == 0:
+            j, k = data.draw(st.integers(0, len(seqs) - 1)), data.draw(st.integers(1, 5))
+            probe = data.draw(st.lists(st.integers(0, vocab - 1), min_size=1, max_size=8))
+            for ctx, h_new, h_old in ((seqs[j], hn[j], ho[j]), (probe, None, None)):
+                assert new.propose(ctx, k, h_new) == old.propose(ctx, k, h_old)
+            assert (new._count, new._total, new._best, new._tok) == (old._count, old._total, old._best, old._tok)
+            assert new.generation == old.generation and new.depth == old.depth
+    assert new.nodes == old.nodes
+    assert (new._count, new._total, new._best, new._tok) == (old._count, old._total, old._best, old._tok)
+    for j, seq in enumerate(seqs):
+        assert new.propose(seq, 4, hn[j]) == old.propose(seq, 4, ho[j]) == new.propose(seq, 4)
 
 
 @FAST
