@@ -40,3 +40,15 @@ def make_pool(model, tok, **kw):
     from polykv.engine.dense import DensePool
 
     return DensePool(model, tok, **kw)
+
+
+def shared_pool():
+    """(model, tok, pool) over the tiny model; skips the calling test when the pool is the dense
+    reference one (no `generate`: the batched-agent paths are not there)."""
+    import pytest
+
+    model, tok = tiny_model()
+    pool = make_pool(model, tok)
+    if not hasattr(pool, "generate"):
+        pytest.skip("needs the shared pool (AgentBatch)")
+    return model, tok, pool

@@ -6,15 +6,12 @@ import pytest
 
 from polykv.engine import Engine, GenerationRequest, SamplingParams
 
-from ._models import make_pool, tiny_model
+from ._models import shared_pool
 
 
 @pytest.fixture(scope="module")
 def setup():
-    model, tok = tiny_model()
-    pool = make_pool(model, tok)
-    if not hasattr(pool, "generate"):
-        pytest.skip("needs the shared pool (AgentBatch)")
+    model, tok, pool = shared_pool()
     doc = pool.add_document("The quick brown fox jumps over the lazy dog. " * 8, name="fox-sampling")
     return model, tok, pool, doc
 

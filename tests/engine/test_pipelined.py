@@ -18,7 +18,7 @@ from polykv.pool.agents import AgentBatch
 from polykv.spec.invariant import row_invariant
 
 from ._faults import POISON, FaultyBatch, FaultyPool, InjectedFault
-from ._models import make_pool, tiny_model
+from ._models import shared_pool
 
 DOC = "The quick brown fox jumps over the lazy dog. " * 8
 DOC2 = "A completely different second document about tides and harbours. " * 4
@@ -27,10 +27,7 @@ QUESTIONS = ("Where is the fox?", "What jumps", "Tell me about the dog", "Once u
 
 @pytest.fixture(scope="module")
 def setup():
-    model, tok = tiny_model()
-    pool = make_pool(model, tok)
-    if not hasattr(pool, "generate"):
-        pytest.skip("needs the shared pool (AgentBatch.step_tokens_ahead)")
+    model, tok, pool = shared_pool()
     return model, tok, pool, pool.add_document(DOC, name="fox-pipe"), pool.add_document(DOC2, name="tides-pipe")
 
 
