@@ -21,6 +21,16 @@ the pipelined loop's PendingTokens.result, minus the model), "record" (Speculato
 acceptance, the outputs tree's log), "draft" (Speculator.propose_all: drafters — the outputs tree's
 adds included — and the width planner), "loop": the rest, the generate loop itself (each part the
 median over repeats, so they need not add up to the host figure exactly).
+
+    python -m polykv.bench.spec_host --baseline REF [--agents 8,32] [--rounds 20] [--json FILE]
+
+`--baseline`: before / after in one process (a noisy shared machine moves separate runs by up to
+2x). `polykv/spec/*.py` at git REF is imported beside the working tree's as its own package, and
+each round runs plain, then every method with both trees, in a shuffled order (the pool's
+`polykv.spec` classes swapped per call; the n-gram index one per tree, the outputs tree rebuilt
+every call, the step times shared as in a plain run), adaptive and with a fixed cost_per_draft 0.1
+(both trees then take the same widths: the same batch steps). Only `polykv/spec` differs between
+the sides. Every call's answers must equal plain's (greedy is lossless). Medians over the rounds.
 """
 
 from __future__ import annotations
@@ -204,13 +214,156 @@ def measure(agents=(8, 32), tokens: int = 64, repeats: int = 3,
                 date=time.strftime("%Y-%m-%d"))
 
 
+def load_spec(ref: str):
+    """The package `polykv/spec` at git `ref`, imported under its own name (`_spec_<ref>`)."""
+    import importlib.util
+    import pathlib
+    import subprocess
+    import tempfile
+
+    root = pathlib.Path(__file__).resolve().parents[2]
+    git = ["git", "-C", str(root)]
+    names = subprocess.run(git + ["ls-tree", "--name-only", ref, "polykv/spec/"], check=True,
+                           capture_output=True, text=True).stdout.split()
+    name = "_spec_" + "".join(c if c.isalnum() else "_" for c in ref)
+    d = pathlib.Path(tempfile.mkdtemp()) / name
+    d.mkdir()
+    for n in names:
+        if n.endswith(".py"):
+            src = subprocess.run(git + ["show", f"{ref}:{n}"], check=True, capture_output=True, text=True).stdout
+            (d / pathlib.Path(n).name).write_text(src)
+    spec = importlib.util.spec_from_file_location(name, d / "__init__.py", submodule_search_locations=[str(d)])
+    mod = importlib.util.module_from_spec(spec)
+    sys.modules[name] = mod
+    spec.loader.exec_module(mod)
+    return mod
+
+
+@contextlib.contextmanager
+def _spec_package(mod):
+    """`polykv.spec`'s classes the pool looks up at call time, taken from package `mod`."""
+    import polykv.spec as live
+
+    names = ("SpecConfig", "Speculator", "NgramIndex", "SuffixTree")
+    saved = {n: getattr(live, n) for n in names}
+    for n in names:
+        setattr(live, n, getattr(mod, n))
+    try:
+        yield
+    finally:
+        for n, v in saved.items():
+            setattr(live, n, v)
+
+
+@contextlib.contextmanager
+def _timed_parts_of(mod, acc: dict):
+    """`_timed_parts` with the speculator's record / propose_all of package `mod`."""
+    from polykv.spec import speculator
+
+    saved = []
+    klass = mod.Speculator
+    if klass is speculator.Speculator:  # the working tree's: `_timed_parts` wraps these already
+        with _timed_parts(acc):
+            yield
+        return
+    for part, name in (("record", "record"), ("draft", "propose_all")):
+        fn = getattr(klass, name)
+
+        def wrap(*a, _fn=fn, _part=part, **kw):
+            t = time.perf_counter()
+            try:
+                return _fn(*a, **kw)
+            finally:
+                acc[_part] = acc.get(_part, 0.0) + time.perf_counter() - t
+
+        saved.append((klass, name, fn))
+        setattr(klass, name, wrap)
+    try:
+        with _timed_parts(acc):  # the batch step's parts (its record / draft wraps: the live package's)
+            yield
+    finally:
+        for klass, name, fn in saved:
+            setattr(klass, name, fn)
+
+
+def compare(ref: str, agents=(8, 32), tokens: int = 64, rounds: int = 20,
+            methods=("prompt_lookup", "suffix_tree"), seed: int = 0) -> dict:
+    """Before (polykv/spec at `ref`) / after (the working tree) in one process (module doc)."""
+    import polykv.spec as live
+    from polykv.spec import NgramIndex
+
+    torch.set_num_threads(1)
+    base = load_spec(ref)
+    pool, doc, lm, prompts = _setup()
+    d = pool._docs[doc]
+    trees = {"before": base, "after": live}
+    index = {"before": base.NgramIndex(d.ids), "after": NgramIndex(d.ids)}
+    sides = [("plain", None, None)]
+    for m in methods:
+        for cost in (None, 0.1):
+            for tree in trees:
+                cfg = {"method": m, "num_draft_tokens": 4}
+                if cost is not None:
+                    cfg["cost_per_draft"] = cost
+                sides.append((m + ("" if cost is None else " fixed"), cfg, tree))
+    rng = random.Random(seed)
+    rows = []
+    with torch.no_grad(), _static_steps():
+        for n in agents:
+            ps = [list(p) for p in prompts[:n]]
+            res: dict = {}
+            for r in range(rounds + 1):  # round 0: warm-up
+                order = sides[1:]
+                rng.shuffle(order)
+                for name, cfg, tree in [sides[0]] + order:
+                    mod = trees[tree] if tree else live
+                    d.outputs = None
+                    d.ngram = index[tree] if tree else d.ngram
+                    lm.seconds = 0.0
+                    parts: dict = {}
+                    with _spec_package(mod), _timed_parts_of(mod, parts):
+                        t = time.perf_counter()
+                        pool.generate(doc, ps, max_new_tokens=tokens, speculative=cfg)
+                        wall = time.perf_counter() - t
+                    info = dict(pool.last_generate, parts=parts)
+                    if name == "plain":
+                        want = info["answer_ids"]
+                    elif info["answer_ids"] != want:
+                        raise AssertionError(f"{name} ({tree}) answers differ from plain's")
+                    if r:
+                        res.setdefault((name, tree), []).append((wall, lm.seconds, info))
+            plain = statistics.median((w - m) / i["steps"] for w, m, i in res[("plain", None)])
+            for (name, tree), runs in res.items():
+                host = [(w - m) / i["steps"] for w, m, i in runs]
+                rows.append(dict(agents=n, side=name, tree=tree, host_ms_per_step=statistics.median(host) * 1e3,
+                                 x_plain=statistics.median(host) / plain,
+                                 steps=statistics.median(i["steps"] for _, _, i in runs),
+                                 us_per_token=statistics.median((w - m) / sum(i["new_tokens"]) for w, m, i in runs) * 1e6,
+                                 parts_ms_per_step={p: statistics.median(_part(p, w, m, i) / i["steps"] for w, m, i in runs) * 1e3
+                                                    for p in _NAMES}))
+    return dict(rows=rows, baseline=ref, tokens=tokens, rounds=rounds, torch_threads=torch.get_num_threads(),
+                date=time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()))
+
+
 def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--agents", default="8,32")
     ap.add_argument("--tokens", type=int, default=64)
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--json", default=None)
+    ap.add_argument("--baseline", default=None, help="git ref: before / after in one process (module doc)")
+    ap.add_argument("--rounds", type=int, default=20)
     a = ap.parse_args(argv)
+    if a.baseline:
+        out = compare(a.baseline, tuple(int(x) for x in a.agents.split(",")), a.tokens, a.rounds)
+        for r in out["rows"]:
+            print(f"agents {r['agents']:3d} {r['side']:19s} {r['tree'] or '':6s} host {r['host_ms_per_step']:6.3f} ms/step "
+                  f"x plain {r['x_plain']:.2f}, {r['steps']:5.1f} steps, {r['us_per_token']:5.1f} us/token; "
+                  + ", ".join(f"{p} {v:.3f}" for p, v in r["parts_ms_per_step"].items()), file=sys.stderr)
+        if a.json:
+            with open(a.json, "w") as f:
+                json.dump(out, f, indent=1)
+        return
     out = measure(tuple(int(x) for x in a.agents.split(",")), a.tokens, a.repeats)
     for r in out["rows"]:
         print(f"agents {r['agents']:3d} {r['side']:13s} host {r['host_ms_per_step']:6.2f} ms/step "

@@ -195,31 +195,39 @@ class PromptLookup:
         self._prev: list[int] = []  # _prev[e]: the end before e with the same key (-1: none); ints, no list per key
         self._tail = None  # ctx[_end - 1] when indexed
 
-    def _own_index(self, ctx) -> dict:
-        """Index of the ends e <= len(ctx) - 1 of ctx's min_ngram-grams (every earlier occurrence
-        `_own_match` may return ends at one of them): key -> latest end, earlier ones via _prev."""
-        if ctx is not self._src or self._end > len(ctx) - 1 or (self._end and ctx[self._end - 1] != self._tail):
-            self._src, self._end, self._ends, self._prev = ctx, 0, {}, []
-        ends, prev, lo = self._ends, self._prev, self.min_ngram
-        first = max(self._end + 1, lo)
-        if len(prev) < first:
-            prev.extend([-1] * (first - len(prev)))
-        for e in range(first, len(ctx)):
-            key = tuple(ctx[e - lo: e])
-            prev.append(ends.get(key, -1))  # prev[e]
-            ends[key] = e
-        self._end = max(self._end, len(ctx) - 1)
-        self._tail = ctx[self._end - 1] if self._end else None
-        return ends
-
     def _own_longest(self, ctx, top: int) -> tuple[int, int]:
         """(n, e): the longest tail ctx[-n:] (n <= top, >= min_ngram) occurring earlier in ctx and
         the end e of its latest such occurrence ((0, -1) when none) — what a scan of n from top
-        down with `_own_match` finds first. One walk over the ends of the context's last min_ngram
-        tokens, latest first, each match extended backwards (no list per n)."""
+        down with `_own_match` finds first. First the index catches up: the ends e <= len(ctx) - 1
+        of ctx's min_ngram-grams (every earlier occurrence `_own_match` may return ends at one of
+        them), key -> latest end, earlier ones via _prev; a context other than the one indexed (or
+        whose indexed tail changed) is indexed from scratch. Then one walk over the ends of the
+        context's last min_ngram tokens, latest first, each match extended backwards (no list per
+        n). min_ngram 2: keys built as (a, b) pairs, not tuple(slice) (the same keys, half the
+        cost; the index update ran on ~80% of calls)."""
         lo, L = self.min_ngram, len(ctx)
-        e = self._own_index(ctx).get(tuple(ctx[L - lo:]), -1)
-        prev = self._prev
+        end = self._end
+        if ctx is not self._src or end >= L or (end and ctx[end - 1] != self._tail):
+            self._src, end, self._ends, self._prev = ctx, 0, {}, []
+        ends, prev = self._ends, self._prev
+        if end < L - 1:  # new ends first .. L - 1
+            first = end + 1 if end >= lo else lo
+            if len(prev) < first:
+                prev.extend([-1] * (first - len(prev)))
+            get = ends.get
+            if lo == 2:
+                for e in range(first, L):
+                    key = (ctx[e - 2], ctx[e - 1])
+                    prev.append(get(key, -1))  # prev[e]
+                    ends[key] = e
+            else:
+                for e in range(first, L):
+                    key = tuple(ctx[e - lo: e])
+                    prev.append(get(key, -1))
+                    ends[key] = e
+            self._end = end = L - 1
+            self._tail = ctx[end - 1] if end else None
+        e = ends.get((ctx[L - 2], ctx[L - 1]) if lo == 2 else tuple(ctx[L - lo:]), -1)
         best_n, best_e = 0, -1
         while e >= 0:  # latest end first: the first end reaching a length is its latest
             j = lo  # ctx[e - lo: e] == ctx[-lo:] by the key; extend backwards up to top, not before 0
@@ -237,7 +245,7 @@ class PromptLookup:
         if k <= 0:
             return []
         L, lo = len(ctx), self.min_ngram
-        top = min(self.max_ngram, L)
+        top = self.max_ngram if self.max_ngram < L else L
         if top < lo:
             return []
         index = self.index

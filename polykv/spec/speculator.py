@@ -161,16 +161,26 @@ class Speculator:
         keys), those without drafts emit one token each. Returns {key: drafts} (maybe empty)."""
         out = {}
         adaptive, wants, fixed_w = [], [], 0  # one pass over the agents: drafts, then what the planner needs
-        get, draft = self._agents.get, self._draft
+        get, draft, tree = self._agents.get, self._draft, self.tree if self.tree is not None else False
         for key, limit in limits.items():
             st = get(key)
             if st is None:
                 continue
             length = st.length
-            k = min(length.k_max, int(limit))
+            k = length.k_max
+            if limit < k:
+                k = int(limit)
             drafter = st.drafter
-            if type(drafter) is PromptLookup and k > 0:  # `_draft`'s first case, without its call
+            kind = type(drafter)
+            if k <= 0:
+                d = out[key] = []
+            elif kind is PromptLookup:  # `_draft`'s first two cases, without its call
                 d = out[key] = drafter.propose(st.context, k)
+            elif kind is SuffixTreeDrafter and drafter.tree is tree:  # SuffixTreeDrafter.propose, inlined
+                d = tree.propose(st.context, k, st.handle)  # never more than k
+                if not d and drafter.fallback is not None:
+                    d = drafter.fallback.propose(st.context, k)[:k]
+                out[key] = d
             else:
                 d = out[key] = draft(st, k)
             if length.fixed:
@@ -178,7 +188,8 @@ class Speculator:
             else:
                 length.planned = True  # acceptance only: the planner picks the width
                 adaptive.append(key)
-                wants.append((length.acceptance, len(d)))
+                acc = length.acc
+                wants.append((acc / (acc + length.rej), len(d)))  # length.acceptance, inlined
         if self.planner is None or not adaptive:
             return out
         w = self.planner.choose(wants, agents if agents is not None else len(limits))
@@ -200,7 +211,12 @@ class Speculator:
             self.tree.extend_all(st.handle, emitted)  # logged; added when the tree is read
         if drafted:
             acc = len(emitted) - 1
-            st.length.update(drafted, acc)
+            length = st.length
+            if length.planned:  # AdaptiveLength.update's planned case, without its call
+                length.acc = length.decay * length.acc + acc
+                length.rej = length.decay * length.rej + (1 if acc < drafted else 0)
+            else:
+                length.update(drafted, acc)
             self.drafted += drafted
             self.accepted += acc
             self.tokens += len(emitted)

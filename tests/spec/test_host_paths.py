@@ -2,7 +2,7 @@
 the lazily added outputs tree (reads at any point, clears, partial flushes, a deeper fit), drafts
 from an agent's tree handle instead of walks, the tree's per-token child dicts against the flat
 (id << 32 | token) dict they replaced, prompt lookup's own-token index by min_ngram keys, the
-planner's per-agent rows, the memoised step times."""
+planner's per-agent rows, the memoised step times, the speculator's inlined drafter calls."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ import statistics
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from polykv.spec import NgramIndex, PromptLookup, SuffixTree
+from polykv.spec import NgramIndex, PromptLookup, SpecConfig, Speculator, SuffixTree
 from polykv.spec.adaptive import StepTimes, WidthPlanner, agent_bucket, expected_tokens
 
 from .test_drafters import _ref_lookup, _RefTree
@@ -235,3 +235,98 @@ def test_step_times_memo_equals_a_fresh_estimate(observations, window):
                 if bb == b:
                     want[ww] = statistics.median(xs) if len(xs) >= 3 else min(xs)
             assert t.seen(b) == want
+
+
+def _old_propose_all(spec: Speculator, limits: dict, agents=None) -> dict:
+    """Speculator.propose_all at f6fd9db: each agent's drafts through `_draft` (prompt lookup
+    called directly), `length.acceptance` read through its property."""
+    out = {}
+    adaptive, wants, fixed_w = [], [], 0
+    get, draft = spec._agents.get, spec._draft
+    for key, limit in limits.items():
+        st_ = get(key)
+        if st_ is None:
+            continue
+        length = st_.length
+        k = min(length.k_max, int(limit))
+        drafter = st_.drafter
+        if type(drafter) is PromptLookup and k > 0:
+            d = out[key] = drafter.propose(st_.context, k)
+        else:
+            d = out[key] = draft(st_, k)
+        if length.fixed:
+            fixed_w = max(fixed_w, len(d))
+        else:
+            length.planned = True
+            adaptive.append(key)
+            wants.append((length.acceptance, len(d)))
+    if spec.planner is None or not adaptive:
+        return out
+    w = spec.planner.choose(wants, agents if agents is not None else len(limits))
+    spec.widths[w] += 1
+    w = max(w, fixed_w)
+    for k, (_, n) in zip(adaptive, wants):
+        if n > w:
+            out[k] = out[k][:w]
+    return out
+
+
+def _old_record(spec: Speculator, key, emitted: list[int], drafted: int) -> None:
+    """Speculator.record at f6fd9db (AdaptiveLength.update called for every drafting agent)."""
+    st_ = spec._agents.get(key)
+    if st_ is None:
+        return
+    st_.context.extend(map(int, emitted))
+    if spec.tree is not None:
+        spec.tree.extend_all(st_.handle, emitted)
+    if drafted:
+        acc = len(emitted) - 1
+        st_.length.update(drafted, acc)
+        spec.drafted += drafted
+        spec.accepted += acc
+        spec.tokens += len(emitted)
+        spec.agent_steps += 1
+
+
+@FAST
+@given(st.data(), st.sampled_from(["prompt_lookup", "suffix_tree"]), st.integers(1, 5), st.integers(2, 10),
+       st.sampled_from([None, 0.1, 0.6]), st.booleans())
+def test_propose_all_and_record_equal_the_per_agent_calls(data, method, k, vocab, cost, adaptive):
+    """propose_all with its drafters inlined (prompt lookup, the suffix tree and its fallback) and
+    record with the planned agents' update inlined, against the per-agent calls they replaced: the
+    same drafts, widths, acceptance floats, back-off state and stats over random steps (agents
+    asking for their own length now and then, agents leaving, timed steps)."""
+    doc = data.draw(st.lists(st.integers(0, vocab - 1), min_size=1, max_size=80))
+    cfg = SpecConfig(method=method, num_draft_tokens=k, adaptive=adaptive, cost_per_draft=cost)
+    new, old = (Speculator(NgramIndex(doc), SuffixTree(), times=StepTimes()) for _ in range(2))
+    live = list(range(data.draw(st.integers(1, 6))))
+    for i in live:
+        prompt = data.draw(st.lists(st.integers(0, vocab - 1), min_size=1, max_size=8))
+        new.add(i, prompt, cfg)
+        old.add(i, prompt, cfg)
+    for _ in range(data.draw(st.integers(1, 30))):
+        limits = {i: data.draw(st.integers(0, 5)) for i in live}
+        if data.draw(st.integers(0, 4)) == 0:  # the engine's way: each agent's own length
+            a = {i: new.propose(i, limits[i]) for i in live}
+            b = {i: old.propose(i, limits[i]) for i in live}
+        else:
+            a, b = new.propose_all(limits), _old_propose_all(old, limits)
+        assert a == b
+        for i in list(live):
+            emitted = a[i][: data.draw(st.integers(0, len(a[i])))] + [data.draw(st.integers(0, vocab - 1))]
+            new.record(i, emitted, len(a[i]))
+            _old_record(old, i, emitted, len(a[i]))
+            if data.draw(st.integers(0, 15)) == 0:
+                new.remove(i)
+                old.remove(i)
+                live.remove(i)
+        if not live:
+            break
+        w, s = max(map(len, a.values()), default=0), data.draw(st.floats(1e-4, 1e-2))
+        new.observe_step(w, s, len(a))
+        old.observe_step(w, s, len(a))
+        for i in live:
+            x, y = new._agents[i].length, old._agents[i].length
+            assert (x.acc, x.rej, x.wait, x.probe, x.planned) == (y.acc, y.rej, y.wait, y.probe, y.planned)
+            assert new._agents[i].context == old._agents[i].context
+    assert new.stats() == old.stats()
