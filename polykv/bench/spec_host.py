@@ -30,7 +30,9 @@ each round runs plain, then every method with both trees, in a shuffled order (t
 `polykv.spec` classes swapped per call; the n-gram index one per tree, the outputs tree rebuilt
 every call, the step times shared as in a plain run), adaptive and with a fixed cost_per_draft 0.1
 (both trees then take the same widths: the same batch steps). Only `polykv/spec` differs between
-the sides. Every call's answers must equal plain's (greedy is lossless). Medians over the rounds.
+the sides. Every call's answers must equal plain's (greedy is lossless). Medians over the rounds:
+host ms per step, x plain (each call over the same round's plain call) and, for the working tree,
+after / before of the same round (host per step; the draft part per step).
 """
 
 from __future__ import annotations
@@ -332,11 +334,20 @@ def compare(ref: str, agents=(8, 32), tokens: int = 64, rounds: int = 20,
                         raise AssertionError(f"{name} ({tree}) answers differ from plain's")
                     if r:
                         res.setdefault((name, tree), []).append((wall, lm.seconds, info))
-            plain = statistics.median((w - m) / i["steps"] for w, m, i in res[("plain", None)])
+            plain_runs = [(w - m) / i["steps"] for w, m, i in res[("plain", None)]]
+            plain = statistics.median(plain_runs)
             for (name, tree), runs in res.items():
                 host = [(w - m) / i["steps"] for w, m, i in runs]
+                other = res.get((name, {"before": "after", "after": "before"}.get(tree)))
+                paired = {}
+                if tree == "after" and other:  # round by round: after / before of the same round
+                    paired = dict(host_after_over_before=statistics.median(
+                        (wa - ma) / ia["steps"] / ((wb - mb) / ib["steps"]) for (wa, ma, ia), (wb, mb, ib) in zip(runs, other)),
+                        draft_after_over_before=statistics.median(
+                            _part("draft", wa, ma, ia) / ia["steps"] / (_part("draft", wb, mb, ib) / ib["steps"])
+                            for (wa, ma, ia), (wb, mb, ib) in zip(runs, other)))
                 rows.append(dict(agents=n, side=name, tree=tree, host_ms_per_step=statistics.median(host) * 1e3,
-                                 x_plain=statistics.median(host) / plain,
+                                 x_plain=statistics.median(h / p for h, p in zip(host, plain_runs)), **paired,
                                  steps=statistics.median(i["steps"] for _, _, i in runs),
                                  us_per_token=statistics.median((w - m) / sum(i["new_tokens"]) for w, m, i in runs) * 1e6,
                                  parts_ms_per_step={p: statistics.median(_part(p, w, m, i) / i["steps"] for w, m, i in runs) * 1e3
@@ -359,6 +370,8 @@ def main(argv=None) -> None:
         for r in out["rows"]:
             print(f"agents {r['agents']:3d} {r['side']:19s} {r['tree'] or '':6s} host {r['host_ms_per_step']:6.3f} ms/step "
                   f"x plain {r['x_plain']:.2f}, {r['steps']:5.1f} steps, {r['us_per_token']:5.1f} us/token; "
+                  + (f"after/before host {r['host_after_over_before']:.3f} draft {r['draft_after_over_before']:.3f}; "
+                     if "host_after_over_before" in r else "")
                   + ", ".join(f"{p} {v:.3f}" for p, v in r["parts_ms_per_step"].items()), file=sys.stderr)
         if a.json:
             with open(a.json, "w") as f:
