@@ -47,6 +47,22 @@ def _load(model: Optional[str], threads: Optional[int], device: Optional[str] = 
     return load_model(model, device=device)
 
 
+ANCHORS_HELP = ("simulate anchors on the cache under test (measurement only, CPU materialize path; "
+                "polykv/eval/anchors.py): 'recent=N,sink=N,anchor=q8_0|exact|TYPE' — the first N tokens and "
+                "the N rows before each chunk read at that precision; adds the JSON field 'anchors'")
+
+
+def _anchors(spec: Optional[str]):
+    if not spec:
+        return None
+    from .anchors import Anchors
+
+    try:
+        return Anchors.parse(spec)
+    except ValueError as e:
+        raise typer.BadParameter(str(e)) from None
+
+
 def _innerq(value: Optional[str]):
     if value is None or value.lower() == "none":
         return None
@@ -128,6 +144,7 @@ def ppl(preset: Optional[str] = typer.Option(None, "--preset", help=PRESET_HELP)
         innerq: Optional[str] = typer.Option(None, "--innerq", help=INNERQ_HELP),
         keep_layers_q8: int = typer.Option(0, "--keep-layers-q8", help="first/last n layers stored as q8_0"),
         precision: str = typer.Option("auto", "--precision", help=PRECISION_HELP),
+        anchors: Optional[str] = typer.Option(None, "--anchors", help=ANCHORS_HELP + " (--method windows)"),
         threads: Optional[int] = typer.Option(None, "--threads", help="torch CPU threads"),
         device: Optional[str] = typer.Option(None, "--device", help=DEVICE_HELP),
         as_json: bool = typer.Option(False, "--json", help="print one JSON object")):
@@ -139,11 +156,15 @@ def ppl(preset: Optional[str] = typer.Option(None, "--preset", help=PRESET_HELP)
         raise typer.BadParameter(f"unknown method {method!r}; valid methods: windows, prefill-score")
     from .ppl import eval_ppl, eval_prefill_score
 
+    anc = _anchors(anchors)
+    if anc is not None and method != "windows":
+        raise typer.BadParameter("--anchors is measured with --method windows only")
     m, tok = _load(model, threads, device)
     run = eval_ppl if method == "windows" else eval_prefill_score
     ov, info = preset_overrides(m, preset, k_arg, v_arg, precision)
+    extra = {"anchors": anc} if anc is not None else {}
     r = run(m, tok, k, v, ctx, text=text, windows=windows, innerq=iq, keep_layers_q8=keep_layers_q8,
-            overrides=ov)
+            overrides=ov, **extra)
     r["preset"] = preset
     r["precision"] = info
     _emit(r, as_json, lambda r: _kv_table(f"ppl K {k} / V {v} @ {ctx}", r,
@@ -163,6 +184,8 @@ def equiv(preset: Optional[str] = typer.Option(None, "--preset", help=PRESET_HEL
           innerq: Optional[str] = typer.Option(None, "--innerq", help=INNERQ_HELP),
           keep_layers_q8: int = typer.Option(0, "--keep-layers-q8"),
           precision: str = typer.Option("auto", "--precision", help=PRECISION_HELP),
+          anchors: Optional[str] = typer.Option(None, "--anchors", help=ANCHORS_HELP),
+          details: bool = typer.Option(False, "--details", help="per-prompt answers and divergences (field: prompts)"),
           threads: Optional[int] = typer.Option(None, "--threads"),
           device: Optional[str] = typer.Option(None, "--device", help=DEVICE_HELP),
           as_json: bool = typer.Option(False, "--json")):
@@ -171,13 +194,14 @@ def equiv(preset: Optional[str] = typer.Option(None, "--preset", help=PRESET_HEL
     k, v, iq = resolve_kv(preset, k, v, innerq)
     from .equiv import eval_equiv
 
+    anc = _anchors(anchors)
     m, tok = _load(model, threads, device)
     from .common import load_prompts
 
     plist = load_prompts(prompts)[:limit] if limit else prompts
     ov, info = preset_overrides(m, preset, k_arg, v_arg, precision)
     r = eval_equiv(m, tok, k, v, prompts=plist, innerq=iq, keep_layers_q8=keep_layers_q8,
-                   max_new_tokens=max_new_tokens, overrides=ov)
+                   max_new_tokens=max_new_tokens, overrides=ov, anchors=anc, details=details)
     r["preset"] = preset
     r["precision"] = info
     _emit(r, as_json, lambda r: _kv_table(f"equiv K {k} / V {v}", r,
@@ -200,6 +224,7 @@ def ruler(task: str = typer.Option("niah", "--task", help="niah, vt or codes (ra
                                               "Prejudice; not for codes)"),
           innerq: Optional[str] = typer.Option(None, "--innerq", help=INNERQ_HELP),
           precision: str = typer.Option("auto", "--precision", help=PRECISION_HELP),
+          anchors: Optional[str] = typer.Option(None, "--anchors", help=ANCHORS_HELP),
           threads: Optional[int] = typer.Option(None, "--threads"),
           device: Optional[str] = typer.Option(None, "--device", help=DEVICE_HELP),
           details: bool = typer.Option(False, "--details", help="add every sample's answers (field: items)"),
@@ -219,11 +244,12 @@ def ruler(task: str = typer.Option("niah", "--task", help="niah, vt or codes (ra
         except ValueError as e:
             raise typer.BadParameter(str(e)) from None
     ref = json.loads(reference.read_text(encoding="utf-8")) if reference is not None else None
+    anc = _anchors(anchors)
     m, tok = _load(model, threads, device)
     ov, info = preset_overrides(m, preset, k_arg, v_arg, precision)
     try:
         r = eval_ruler(m, tok, task, ctx, k, v, samples, seed, innerq=iq, text=text, details=details,
-                       reference=ref, overrides=ov)
+                       reference=ref, overrides=ov, anchors=anc)
     except ValueError as e:
         raise typer.BadParameter(str(e)) from None
     r["preset"] = preset

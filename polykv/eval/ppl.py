@@ -162,33 +162,40 @@ def eval_prefill_score(model, tok, k: str = "q8_0", v: str = "turbo3", ctx: int 
     }
 
 
-def _run(model, tok, wins, k, v, innerq, keep_layers_q8, show, desc, overrides=None):
+def _run(model, tok, wins, k, v, innerq, keep_layers_q8, show, desc, overrides=None, anchors=None):
     nll, count, report = 0.0, 0, None
     for ids in _bar(wins, desc=desc, enabled=show):
-        cache = make_cache(model, k, v, innerq=innerq, keep_layers_q8=keep_layers_q8, overrides=overrides)
+        cache = make_cache(model, k, v, innerq=innerq, keep_layers_q8=keep_layers_q8, overrides=overrides,
+                           anchors=anchors)
         a, b = score_window(model, cache, ids)
         nll += a
         count += b
         cache.compact()
         report = cache.memory_report()
+        if anchors is not None:
+            from .anchors import anchored_bits
+
+            report["anchors"] = {**anchors.as_dict(), **anchored_bits(cache)}
         del cache
     return nll, count, report
 
 
 def eval_ppl(model, tok, k: str = "q8_0", v: str = "turbo3", ctx: int = 2048, text=None,
              windows: int | None = None, innerq=None, keep_layers_q8: int = 0, progress: bool = True,
-             ppl_ref: float | None = None, skip_tokens: int = 0, overrides=None) -> dict:
+             ppl_ref: float | None = None, skip_tokens: int = 0, overrides=None, anchors=None) -> dict:
     """Perplexity with K/V stored as k/v vs the f16 reference (DESIGN §7).
 
     text: file path or literal text (None: bundled Pride and Prejudice); windows: number of ctx
     windows (None: 8192 tokens' worth); ppl_ref: reuse a reference perplexity computed on the same
     windows; skip_tokens: start the windows after this many corpus tokens; overrides: {layer: (k, v)}
-    per-layer types of the cache under test (a preset's calibrated precision policy).
+    per-layer types of the cache under test (a preset's calibrated precision policy); anchors:
+    `polykv.eval.anchors.Anchors` simulated on the cache under test (adds the field "anchors":
+    the spec and the bits/value stored / with the anchors held at their precision, last window).
     Returns {ppl, ppl_ref, delta_pct, tokens, ...} (tokens = scored tokens)."""
     t0 = time.time()
     wins = corpus_windows(tok, load_text(text), ctx, windows, skip_tokens)
     nll, count, report = _run(model, tok, wins, k, v, innerq, keep_layers_q8, progress,
-                              f"ppl {k}/{v} ctx={ctx}", overrides)
+                              f"ppl {k}/{v} ctx={ctx}", overrides, anchors)
     ppl = math.exp(nll / count)
     if ppl_ref is None:
         if (k, v) == ("f16", "f16") and not keep_layers_q8 and not overrides:
@@ -203,6 +210,7 @@ def eval_ppl(model, tok, k: str = "q8_0", v: str = "turbo3", ctx: int = 2048, te
         "kv_bytes": report["kv_bytes"] if report else None,
         "bits_per_value": report["bits_per_value"] if report else None,
         "seconds": round(time.time() - t0, 1),
+        **({"anchors": report["anchors"]} if anchors is not None and report else {}),
     }
 
 
