@@ -35,6 +35,8 @@ from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared, mbarrier,
                                                               warpgroup_mma, warpgroup_mma_wait)
 
+from .launch import launch as cached_launch
+
 
 # registers per consumer thread (setmaxnreg); the producer warp group gets the rest of the CTA's
 # maxnreg share
@@ -428,8 +430,8 @@ def ws_prefix_parts(qp: torch.Tensor, chunks, total_rows: int, k_codec, v_codec,
             raise ValueError("the warp-specialised prefix pass reads codes as 4-byte words: "
                              "their strides and base must be multiples of 4 bytes")
         rows = kp.codes.shape[2]
-        _ws_prefix_kernel[(Hkv, max(1, cdiv(rows, split_len)), n_mt)](
-            qc, kc, ks, vc, vs, lens, o_part, l_part,
+        cached_launch(
+            _ws_prefix_kernel, (Hkv, max(1, cdiv(rows, split_len)), n_mt), qc, kc, ks, vc, vs, lens, o_part, l_part,
             kcs[1] // 4, kcs[2] // 4, kss[1], kss[2], vcs[1] // 4, vcs[2] // 4, vss[1], vss[2],
             M, split_len, n_splits, row0 // split_len, sm_scale * 1.4426950408889634,
             D=D, BLOCK_M=block_m, BLOCK_N=block_n, NBUF=stages, KA=ka,

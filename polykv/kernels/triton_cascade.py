@@ -20,6 +20,7 @@ import triton.language as tl
 
 from ..codecs import Packed
 from .gluon_prefix import ws_ok, ws_prefix_parts
+from .launch import launch as cached_launch
 from .triton_decode import PHASE_MAX_ROWS, combine_splits, decode_parts
 
 
@@ -68,7 +69,7 @@ def merge_triton(out_a, lse_a, out_b, lse_b, out_dtype=None):
     lse = torch.empty(lse_b.shape, dtype=torch.float32, device=out_a.device)
     R = lb.numel()
     if R:
-        _merge_kernel[(R,)](oa, la, ob, lb, out, lse, H, M, *soa, *sla, D=D)
+        cached_launch(_merge_kernel, (R,), oa, la, ob, lb, out, lse, H, M, *soa, *sla, D=D)
     return out, lse
 
 

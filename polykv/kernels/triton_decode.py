@@ -20,7 +20,9 @@ import triton.language as tl
 
 from ..codecs import Packed
 from ..codecs.rotation import rotation_matrix
-from .triton_codec import (asm_ok, asm_strings, cdiv, codec_meta, load_tile, next_pow2,
+from . import launch as launch_mod
+from .launch import launch as cached_launch
+from .triton_codec import (_codec_key, asm_ok, asm_strings, cdiv, codec_meta, load_tile, next_pow2,
                            perm_cols, phase_meta, phase_ok, phase_tile, placeholder)
 
 LOG2E = 1.4426950408889634
@@ -388,6 +390,28 @@ class SplitParts(NamedTuple):
     n_splits: int
 
 
+def _tkey(t: torch.Tensor | None):
+    """A plan key's view of a tensor: shape, strides, dtype and the low pointer bits (Triton
+    specialises on 16-byte alignment; the tile kernel's factor loads on up to 64)."""
+    return None if t is None else (t.shape, t.stride(), t.dtype, t.data_ptr() & 63)
+
+
+_PLANS: dict = {}
+"""Planned launches of eager calls (CUDA, launch cache on), keyed on everything but the tensors'
+contents: a repeated call (a decode step per layer) skips the launch arithmetic and Triton's
+dispatch (issue F: host time per eager call)."""
+
+
+class _DecodePlan(NamedTuple):
+    launch: launch_mod.Planned
+    o_numel: int
+    l_numel: int
+    n_splits: int
+    kcent: torch.Tensor
+    vcent: torch.Tensor
+    pt: torch.Tensor  # the page-table argument of unpaged launches (a placeholder)
+
+
 def decode_prepared(qp: torch.Tensor, n_q: int, k: Packed, v: Packed, k_codec, v_codec,
                     kv_lens: torch.Tensor, *, out_dtype: torch.dtype | None = None, **kw):
     """`decode_parts` and its combine (`combine_splits`): returns out float32 [B, Hkv, M, D] in
@@ -428,6 +452,23 @@ def decode_parts(qp: torch.Tensor, n_q: int, k: Packed, v: Packed, k_codec, v_co
     [B, Hkv, M], V's storage domain)."""
     B, Hkv, M, D = qp.shape
     dev = qp.device
+    plan_key = None
+    if (chunks is None and dev.type == "cuda" and launch_mod.enabled
+            and all(t is None or (t.dtype == torch.int32 and t.device == dev) for t in (page_table, kv_start))):
+        plan_key = ("decode", dev.index, _tkey(qp), n_q, _tkey(k.codes), _tkey(k.scales), _tkey(v.codes),
+                    _tkey(v.scales), _codec_key(k_codec), _codec_key(v_codec), _tkey(kv_lens), causal,
+                    window, sm_scale, _tkey(page_table), page_size, _tkey(kv_start), block_m_max,
+                    target_programs, num_warps, num_stages, block_n, dec, impl, maxnreg,
+                    vector_factors, split_len, max_split)
+        p = _PLANS.get(plan_key)
+        if p is not None:
+            o_part = torch.empty(p.o_numel, dtype=torch.float32, device=dev)
+            l_part = torch.empty(p.l_numel, dtype=torch.float32, device=dev)
+            p.launch(qp, k.codes, k.codes if k.scales is None else k.scales, v.codes,
+                     v.codes if v.scales is None else v.scales, p.kcent, p.vcent, kv_lens,
+                     kv_lens if kv_start is None else kv_start, p.pt if page_table is None else page_table,
+                     o_part, l_part)
+            return SplitParts(o_part, l_part, p.n_splits)
     if impl == "auto":  # H200 v5 sweep: phase for decode-sized row tiles, tile for the cascade
         impl = ("phase" if M <= PHASE_MAX_ROWS and phase_ok(k_codec) and phase_ok(v_codec)
                 else "tile")
@@ -515,8 +556,8 @@ def decode_parts(qp: torch.Tensor, n_q: int, k: Packed, v: Packed, k_codec, v_co
         kc, ks, kcs, kss = _strides(kp, kp.codes.shape[0] == 1 and B > 1)
         vc, vs, vcs, vss = _strides(vp, vp.codes.shape[0] == 1 and B > 1)
         rows = S if paged else kp.codes.shape[2]
-        kernel[(B * Hkv, max(1, cdiv(rows, split_len)), n_mt)](
-            qp, kc, ks, vc, vs, kcent, vcent, lens,
+        return cached_launch(
+            kernel, (B * Hkv, max(1, cdiv(rows, split_len)), n_mt), qp, kc, ks, vc, vs, kcent, vcent, lens,
             lens if kv_start is None else kv_start.to(device=dev, dtype=torch.int32),
             page_table, o_part, l_part,
             *kcs, *kss, *vcs, *vss,
@@ -527,12 +568,13 @@ def decode_parts(qp: torch.Tensor, n_q: int, k: Packed, v: Packed, k_codec, v_co
             CAUSAL=bool(causal), HAS_WINDOW=window is not None, HAS_START=kv_start is not None,
             KA0=ka[0], KA1=ka[1], KA2=ka[2], KA3=ka[3], KA4=ka[4], KA5=ka[5], KA6=ka[6],
             KA7=ka[7], VA0=va[0], VA1=va[1], VA2=va[2], VA3=va[3], VA4=va[4], VA5=va[5],
-            VA6=va[6], VA7=va[7], num_warps=num_warps, num_stages=num_stages, **extra)
+            VA6=va[6], VA7=va[7], num_warps=num_warps, num_stages=num_stages, **extra,
+            plan=12 if plan_key is not None else 0)
 
     for i, part in enumerate(chunks):
         if i == 0 and (k_dec or v_dec) and dec == "auto":
             try:
-                launch(part, k_dec, v_dec, ka, va)
+                planned = launch(part, k_dec, v_dec, ka, va)
             except ValueError:
                 raise
             except Exception:  # an asm build problem on this toolchain: plain Triton from now on
@@ -540,9 +582,12 @@ def decode_parts(qp: torch.Tensor, n_q: int, k: Packed, v: Packed, k_codec, v_co
                     raise
                 _ASM_BROKEN.add(key)
                 k_dec, v_dec, ka, va = 0, 0, ("",) * 8, ("",) * 8
-                launch(part, k_dec, v_dec, ka, va)
+                planned = launch(part, k_dec, v_dec, ka, va)
         else:
-            launch(part, k_dec, v_dec, ka, va)
+            planned = launch(part, k_dec, v_dec, ka, va)
+    if plan_key is not None and planned is not None:
+        _PLANS[plan_key] = _DecodePlan(planned, o_part.numel(), l_part.numel(), n_splits, kcent, vcent,
+                                       page_table)
     return SplitParts(o_part, l_part, n_splits)
 
 
@@ -575,8 +620,8 @@ def combine_splits(parts: SplitParts, shape: tuple, v_codec, out_dtype: torch.dt
     if rows:
         s = second or parts  # never read without a second pass
         nss = second.n_splits if second else 1
-        _combine_kernel[(rows,)](
-            parts.o, parts.lse, s.o, s.lse, out, lse,
+        cached_launch(
+            _combine_kernel, (rows,), parts.o, parts.lse, s.o, s.lse, out, lse,
             rotation_matrix(v_codec.group, dev) if unrot else placeholder(dev),
             *((Hkv, M, B) if heads_major else (1, 1, 1)), parts.n_splits, nss, D=D,
             NSP_P2=next_pow2(parts.n_splits), NSS_P2=next_pow2(nss),
@@ -585,7 +630,7 @@ def combine_splits(parts: SplitParts, shape: tuple, v_codec, out_dtype: torch.dt
 
 
 @triton.jit
-def _prep_q_kernel(Q, S, ROT, OUT, R, HQ, NQ, GQA, sqb, sqh, sqn, D: tl.constexpr,
+def _prep_q_kernel(Q, S, OUT, ROT, R, HQ, NQ, GQA, sqb, sqh, sqn, D: tl.constexpr,
                    BLOCK_R: tl.constexpr, DC: tl.constexpr, HAS_S: tl.constexpr,
                    ROTATE: tl.constexpr):
     # BLOCK_R rows r = (b * HQ + hq) * NQ + j of q [B, HQ, NQ, D] (any strides, last dim 1) ->
@@ -629,16 +674,26 @@ def prep_q_triton(q: torch.Tensor, k_codec, k_innerq: torch.Tensor | None, hkv: 
     if q.stride(-1) != 1:
         q = q.contiguous()
     dev = q.device
-    rotated = getattr(k_codec, "rotated", False)
     out = torch.empty(B, hkv, (Hq // hkv) * n_q, D, dtype=torch.float32, device=dev)
+    s = (k_innerq.to(device=dev, dtype=torch.float32).contiguous() if k_innerq is not None
+         else placeholder(dev))
+    plan_key = None
+    if dev.type == "cuda" and launch_mod.enabled:
+        plan_key = ("prep_q", dev.index, _tkey(q), _tkey(s), _codec_key(k_codec), hkv)
+        planned = _PLANS.get(plan_key)
+        if planned is not None:
+            planned(q, s, out)
+            return out
+    rotated = getattr(k_codec, "rotated", False)
     R = B * Hq * n_q
     if R:
-        s = (k_innerq.to(device=dev, dtype=torch.float32).contiguous() if k_innerq is not None
-             else placeholder(dev))
-        _prep_q_kernel[(cdiv(R, 16),)](
-            q, s, block_rotation(k_codec.group, D, dev) if rotated else placeholder(dev), out,
+        planned = cached_launch(
+            _prep_q_kernel, (cdiv(R, 16),), q, s, out,
+            block_rotation(k_codec.group, D, dev) if rotated else placeholder(dev),
             R, Hq, n_q, Hq // hkv, q.stride(0), q.stride(1), q.stride(2), D=D, BLOCK_R=16,
-            DC=min(D, 32), HAS_S=k_innerq is not None, ROTATE=rotated)
+            DC=min(D, 32), HAS_S=k_innerq is not None, ROTATE=rotated, plan=3 if plan_key else 0)
+        if planned is not None:
+            _PLANS[plan_key] = planned
     return out
 
 

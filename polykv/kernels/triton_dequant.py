@@ -11,6 +11,7 @@ import triton
 import triton.language as tl
 
 from ..codecs import Packed, rotation_matrix
+from .launch import launch as cached_launch
 from .triton_codec import cdiv, codec_meta, placeholder
 
 
@@ -82,8 +83,8 @@ def dequantize_triton(p: Packed, codec, dtype=torch.float16, rotated: bool = Fal
     else:
         cent = rott = dummy
     if R:
-        _dequant_kernel[(cdiv(R, block_r),)](
-            codes, scales, cent, rott, out, R, codes.shape[1], nsc,
+        cached_launch(
+            _dequant_kernel, (cdiv(R, block_r),), codes, scales, cent, rott, out, R, codes.shape[1], nsc,
             D=D, BLOCK_R=block_r, KIND=meta["KIND"], BITS=meta["BITS"], G=meta["G"],
             ROTATED=bool(rotated), num_warps=4)
     return out.reshape(*lead, D)

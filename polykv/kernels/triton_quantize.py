@@ -18,6 +18,7 @@ import triton.language as tl
 from triton.runtime.errors import OutOfResources
 
 from ..codecs import Packed, rotation_matrix
+from .launch import launch as cached_launch
 from .triton_codec import cdiv, codec_meta, next_pow2, placeholder
 
 
@@ -227,8 +228,8 @@ def quantize_into_triton(dst: Packed, x: torch.Tensor, codec, positions: torch.T
         per_head = (max(1, cdiv(programs_per_sm * _sm_count(dev), B * Hkv)) if programs_per_sm > 0
                     else n_tiles)
         try:
-            _quantize_kernel[(B * Hkv, min(n_tiles, per_head))](
-                x, pos, scl, c, s, rot, cent, bounds,
+            cached_launch(
+                _quantize_kernel, (B * Hkv, min(n_tiles, per_head)), x, pos, scl, c, s, rot, cent, bounds,
                 x.stride(0), x.stride(1), x.stride(2), c.stride(0), c.stride(1), c.stride(2),
                 s.stride(0), s.stride(1), s.stride(2),
                 Hkv, T, n_tiles,

@@ -1,0 +1,80 @@
+"""Planned launches (kernels/launch.py, the plans of triton_decode) on the GPU: a repeated eager call
+takes the planned path, and every call gives the bits of Triton's own launch path
+(`launch.enabled = False`) — across new tensors of the same shapes, other lengths, left padding,
+page tables, misaligned views and turbo keys with InnerQ scales."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from polykv.codecs import get_codec
+from polykv.kernels import attention_decode, cascade_attention
+from polykv.kernels import launch as L
+from polykv.kernels import triton_decode as td
+
+pytestmark = pytest.mark.gpu
+
+
+def _rnd(g, *shape):
+    return torch.randn(*shape, device="cuda", dtype=torch.float16, generator=g)
+
+
+def _both(fn):
+    """(planned-path result, Triton-path result) of the same call."""
+    L.enabled = True
+    try:
+        got = [t.clone() for t in fn()]
+        L.enabled = False
+        ref = fn()
+    finally:
+        L.enabled = True
+    return got, ref
+
+
+@pytest.mark.parametrize("kname,vname", [("q8_0", "turbo3"), ("turbo4", "turbo3"), ("turbo3", "turbo2")])
+def test_decode_plans_equal_tritons_launch(kname, vname):
+    g = torch.Generator(device="cuda").manual_seed(1)
+    kc, vc = get_codec(kname, 128), get_codec(vname, 128)
+    innerq = (torch.rand(8, 128, device="cuda", generator=g) + 0.5) if kc.rotated else None
+    B, S = 3, 1000
+    kp, vp = kc.encode(_rnd(g, B, 8, S, 128)), vc.encode(_rnd(g, B, 8, S, 128))
+    before = len(td._PLANS)
+    for step in range(4):  # new q, lengths and left padding every call; same shapes
+        q = _rnd(g, B, 32, 1, 128)
+        lens = torch.randint(100, S, (B,), device="cuda", generator=g, dtype=torch.int32)
+        start = torch.randint(0, 50, (B,), device="cuda", generator=g, dtype=torch.int32)
+        for kw in ({}, {"kv_lens": lens}, {"kv_lens": lens, "kv_start": start}):
+            got, ref = _both(lambda: attention_decode(q, kp, vp, kc, vc, k_innerq=innerq, **kw))
+            for a, b in zip(got, ref):
+                assert torch.equal(a, b), (step, kw)
+    assert len(td._PLANS) > before  # the planned path ran
+
+
+def test_decode_plan_keys_on_alignment_and_strides():
+    """A misaligned view of q (another specialisation) and a strided one plan separately and still
+    give Triton's bits."""
+    g = torch.Generator(device="cuda").manual_seed(2)
+    kc, vc = get_codec("q8_0", 128), get_codec("turbo3", 128)
+    kp, vp = kc.encode(_rnd(g, 1, 8, 777, 128)), vc.encode(_rnd(g, 1, 8, 777, 128))
+    flat = _rnd(g, 32 * 128 + 8)
+    for q in (flat[:32 * 128].view(1, 32, 1, 128), flat[8:].view(1, 32, 1, 128),
+              _rnd(g, 1, 1, 32, 128).transpose(1, 2)):
+        for _ in range(2):
+            got, ref = _both(lambda: attention_decode(q, kp, vp, kc, vc))
+            assert all(torch.equal(a, b) for a, b in zip(got, ref))
+
+
+def test_cascade_with_page_table_plans_equal_tritons_launch():
+    g = torch.Generator(device="cuda").manual_seed(3)
+    kc, vc = get_codec("q8_0", 128), get_codec("turbo3", 128)
+    pk, pv = kc.encode(_rnd(g, 1, 8, 4096, 128)), vc.encode(_rnd(g, 1, 8, 4096, 128))
+    N, P = 8, 64
+    sk, sv = kc.encode(_rnd(g, 1, 8, 4 * N * P, 128)), vc.encode(_rnd(g, 1, 8, 4 * N * P, 128))
+    for _ in range(3):
+        pages = torch.randperm(4 * N, device="cuda", generator=g).to(torch.int32).view(N, 4)
+        lens = torch.randint(0, 4 * P, (N,), device="cuda", generator=g, dtype=torch.int32)
+        q = _rnd(g, N, 32, 1, 128)
+        got, ref = _both(lambda: cascade_attention(q, pk, pv, sk, sv, lens, kc, vc,
+                                                   suffix_pages=pages, page_size=P))
+        assert all(torch.equal(a, b) for a, b in zip(got, ref))
