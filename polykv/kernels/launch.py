@@ -49,6 +49,8 @@ class _Entry:
 
 
 _CACHE: dict = {}
+MAX_ENTRIES = 4096
+"""Entries kept in each cache (this module's, triton_decode's plans) before it is cleared."""
 
 
 def _tail(fn, n_pos: int, consts: dict) -> list:
@@ -94,6 +96,8 @@ def launch(fn, grid: tuple, *args, plan: int = 0, **consts):
         kernel = fn[grid](*args, **consts)  # compiles (or finds) the kernel, and launches it
         if hasattr(kernel, "result"):
             kernel = kernel.result()
+        if len(_CACHE) >= MAX_ENTRIES:  # shapes seen over a long run: start over, never grow unbounded
+            _CACHE.clear()
         e = _CACHE[key] = _Entry(kernel, _tail(fn, len(args), consts))
     else:
         e.run(*g3, driver.active.get_current_stream(dev), e.function, e.meta, None, None, None,

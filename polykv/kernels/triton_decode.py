@@ -402,6 +402,12 @@ contents: a repeated call (a decode step per layer) skips the launch arithmetic 
 dispatch (issue F: host time per eager call)."""
 
 
+def _remember(key, plan) -> None:
+    if len(_PLANS) >= launch_mod.MAX_ENTRIES:
+        _PLANS.clear()
+    _PLANS[key] = plan
+
+
 class _DecodePlan(NamedTuple):
     launch: launch_mod.Planned
     o_numel: int
@@ -586,8 +592,8 @@ def decode_parts(qp: torch.Tensor, n_q: int, k: Packed, v: Packed, k_codec, v_co
         else:
             planned = launch(part, k_dec, v_dec, ka, va)
     if plan_key is not None and planned is not None:
-        _PLANS[plan_key] = _DecodePlan(planned, o_part.numel(), l_part.numel(), n_splits, kcent, vcent,
-                                       page_table)
+        _remember(plan_key, _DecodePlan(planned, o_part.numel(), l_part.numel(), n_splits, kcent, vcent,
+                                       page_table))
     return SplitParts(o_part, l_part, n_splits)
 
 
@@ -613,19 +619,30 @@ def combine_splits(parts: SplitParts, shape: tuple, v_codec, out_dtype: torch.dt
     prefix pass: all agents of a KV head side by side); second's rows in shape's order."""
     B, Hkv, M, D = shape
     dev = parts.o.device
-    unrot = out_dtype is not None and getattr(v_codec, "rotated", False)
     out = torch.empty(shape, dtype=out_dtype or torch.float32, device=dev)
     lse = torch.empty(shape[:-1], dtype=torch.float32, device=dev)
+    s = second or parts  # never read without a second pass
+    plan_key = None
+    if dev.type == "cuda" and launch_mod.enabled:  # parts, out, lse: fresh allocations (aligned)
+        plan_key = ("combine", dev.index, tuple(shape), parts.n_splits, second and second.n_splits,
+                    _codec_key(v_codec), out_dtype, heads_major)
+        planned = _PLANS.get(plan_key)
+        if planned is not None:
+            planned(parts.o, parts.lse, s.o, s.lse, out, lse)
+            return out, lse
+    unrot = out_dtype is not None and getattr(v_codec, "rotated", False)
     rows = B * Hkv * M
     if rows:
-        s = second or parts  # never read without a second pass
         nss = second.n_splits if second else 1
-        cached_launch(
+        planned = cached_launch(
             _combine_kernel, (rows,), parts.o, parts.lse, s.o, s.lse, out, lse,
             rotation_matrix(v_codec.group, dev) if unrot else placeholder(dev),
             *((Hkv, M, B) if heads_major else (1, 1, 1)), parts.n_splits, nss, D=D,
             NSP_P2=next_pow2(parts.n_splits), NSS_P2=next_pow2(nss),
-            G=v_codec.group if unrot else D, HAS_S=second is not None, UNROT=unrot)
+            G=v_codec.group if unrot else D, HAS_S=second is not None, UNROT=unrot,
+            plan=6 if plan_key is not None else 0)
+        if planned is not None:
+            _remember(plan_key, planned)
     return out, lse
 
 
@@ -693,7 +710,7 @@ def prep_q_triton(q: torch.Tensor, k_codec, k_innerq: torch.Tensor | None, hkv: 
             R, Hq, n_q, Hq // hkv, q.stride(0), q.stride(1), q.stride(2), D=D, BLOCK_R=16,
             DC=min(D, 32), HAS_S=k_innerq is not None, ROTATE=rotated, plan=3 if plan_key else 0)
         if planned is not None:
-            _PLANS[plan_key] = planned
+            _remember(plan_key, planned)
     return out
 
 
