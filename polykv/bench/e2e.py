@@ -17,6 +17,9 @@ Scenarios (each polykv figure beside its baseline, same model, same run):
                  (`step_tokens_ahead`: step t+1 launched with step t's ids fed on the device, step
                  t's ids read after), in a second batch of the same run over the same captured
                  steps; `pipelined_identical`: both loops chose the same tokens at every step.
+                 Captured steps compile the model's norms and MLPs (`hf.graphs.capture_step`,
+                 the library default on CUDA); with compile on, every row is timed again with
+                 them eager (POLYKV_COMPILE=0): ms_polykv_eager_modules[_pipelined].
                  baseline: the document prefilled once into a DynamicCache (chunked), then
                  `copy.deepcopy(doc_cache).batch_repeat_interleave(N)` (transformers' own batch
                  expansion: N dense copies), the N suffixes in one batched forward, then batched
@@ -400,25 +403,27 @@ def run_pool_decode(model, clock: Clock, *, agents, ctx: int, suffix_tokens: int
         _speedup(row, "ms_baseline", "speedup_pipelined", "ms_polykv_pipelined")
         rows.append(row)
         clock.free()
-    if compile:  # polykv again with the model's norms and MLPs compiled (opt-in mode), same doc
-        from polykv.hf.graphs import compiled_pointwise
+    if compile:  # polykv again with the captured steps' norms and MLPs eager (POLYKV_COMPILE=0)
+        from polykv.hf import graphs
 
-        pool.close()  # the parked batch holds steps captured uncompiled: compiled ones capture anew
-
-        with compiled_pointwise(model):
+        pool.close()  # the parked batch holds compiled captures: eager ones capture anew
+        was, graphs.COMPILE = graphs.COMPILE, False
+        try:
             for row in rows:
                 n = row["agents"]
-                log(f"pool_decode: {n} agents, polykv with compiled_pointwise")
+                log(f"pool_decode: {n} agents, polykv with eager norms / MLPs (POLYKV_COMPILE=0)")
                 res: dict = {}
-                _guard(row, "polykv_compiled", lambda: res.update(
+                _guard(row, "polykv_eager_modules", lambda: res.update(
                     _pool_polykv(clock, pool, doc, sfx[:n].tolist(), warmup, steps)), clock)
                 if res:
-                    row.update(ms_polykv_compiled=res["ms_polykv"], ms_polykv_compiled_gpu=res["ms_polykv_gpu"],
-                               ms_polykv_compiled_pipelined=res.get("ms_polykv_pipelined"))
-                    _speedup(row, "ms_baseline", "speedup_compiled", "ms_polykv_compiled")
-                    _speedup(row, "ms_baseline", "speedup_compiled_pipelined", "ms_polykv_compiled_pipelined")
+                    row.update(ms_polykv_eager_modules=res["ms_polykv"],
+                               ms_polykv_eager_modules_pipelined=res.get("ms_polykv_pipelined"))
+                    _speedup(row, "ms_baseline", "speedup_eager_modules_pipelined",
+                             "ms_polykv_eager_modules_pipelined")
                 clock.free()
-            pool.close()  # nothing compiled outlives the block
+        finally:
+            graphs.COMPILE = was
+            pool.close()
     del doc_cache, pool
     return rows
 
@@ -793,7 +798,7 @@ def plot_e2e(result: dict, path) -> None:
 def _plot_pool(ax, rows: list[Row], config: dict) -> None:
     for key, label, style in (("ms_polykv", f"polykv pool ({config['k']}/{config['v']})", "o-"),
                               ("ms_polykv_pipelined", "polykv pool, pipelined (step_tokens_ahead)", "o:"),
-                              ("ms_polykv_compiled_pipelined", "polykv pool, pipelined + compiled_pointwise", "^:"),
+                              ("ms_polykv_eager_modules_pipelined", "polykv pool, pipelined, norms / MLPs eager", "^:"),
                               ("ms_baseline", "transformers: N DynamicCache copies, batched", "s--")):
         pts = [(r["agents"], r[key]) for r in rows if r.get(key)]
         if pts:
@@ -828,8 +833,8 @@ def _plot_kvcache(ax, rows: list[Row], config: dict) -> None:
 
 
 TABLE_COLUMNS = ["scenario", "agents", "layers", "ctx", "ms_polykv", "ms_polykv_pipelined",
-                 "ms_polykv_compiled_pipelined", "ms_baseline", "speedup", "speedup_pipelined",
-                 "speedup_compiled_pipelined", "ms_static_compile", "speedup_vs_static_compile"]
+                 "ms_polykv_eager_modules_pipelined", "ms_baseline", "speedup", "speedup_pipelined",
+                 "speedup_eager_modules_pipelined", "ms_static_compile", "speedup_vs_static_compile"]
 
 
 def format_e2e(result: dict) -> str:

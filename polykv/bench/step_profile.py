@@ -10,7 +10,6 @@ $OUT (or .).
 from __future__ import annotations
 
 import argparse
-import contextlib
 import json
 import os
 import time
@@ -29,7 +28,8 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=5)
     ap.add_argument("--out", default=os.environ.get("OUT", "."))
     ap.add_argument("--compile", action="store_true",
-                    help="also profile graphs after polykv.hf.graphs.compile_pointwise(model)")
+                    help="also profile graphs whose norms and MLPs are compiled (the CUDA default: "
+                         "hf.graphs.capture_step); without it, captured steps run them eagerly")
     args = ap.parse_args()
     torch.backends.cuda.enable_cudnn_sdp(False)
     model = build_model(args.layers)
@@ -38,12 +38,12 @@ def main() -> None:
     doc = pool.add_document(torch.randint(0, 32000, (args.ctx,), generator=g).tolist())
     res = {}
     modes = [(False, False), (True, False)] + ([(True, True)] if args.compile else [])
-    for graphs, compiled in modes:
-        from polykv.hf.graphs import compiled_pointwise
+    from polykv.hf import graphs as hf_graphs
 
+    for graphs, compiled in modes:
         pool.close()  # a parked batch keeps its captured steps: each mode captures its own
-        with compiled_pointwise(model) if compiled else contextlib.nullcontext(), torch.inference_mode(), \
-                 pool.open_batch(doc, capacity=args.agents, seq_capacity=64 + 3 * args.steps + 8,
+        hf_graphs.COMPILE = compiled
+        with torch.inference_mode(), pool.open_batch(doc, capacity=args.agents, seq_capacity=64 + 3 * args.steps + 8,
                                                      graphs=graphs) as b:
             aids = [b.add(torch.randint(0, 32000, (64,), generator=g).tolist()) for _ in range(args.agents)]
             toks = b.step_tokens()

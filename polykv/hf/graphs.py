@@ -15,6 +15,8 @@ from __future__ import annotations
 
 import contextlib
 import gc
+import os
+import warnings
 from typing import Callable
 
 import torch
@@ -56,14 +58,15 @@ mean, rsqrt, scale: ~7 kernels each in eager mode) and MLP activation x up-proje
 
 @contextlib.contextmanager
 def compiled_pointwise(model):
-    """Within the block, the model's norm and MLP submodules run torch.compile'd (inductor, static
-    shapes), so a captured decode step runs fused kernels instead of chains of small elementwise
-    ones; attention modules stay eager (they call the polykv caches). Undone on exit. The first
-    step of each new batch shape compiles (seconds); outputs equal eager up to float rounding.
-    Yields the number of compiled modules."""
+    """Within the block, the model's norm and MLP submodules run torch.compile'd (inductor), so a
+    captured decode step runs fused kernels instead of chains of small elementwise ones; attention
+    modules stay eager (they call the polykv caches). Undone on exit. The first shape compiles
+    static, a second one recompiles with its batch and token dims dynamic (automatic dynamic), so
+    every batch bucket and verify width shares two compiles (seconds each); outputs equal eager up
+    to float rounding. Yields the number of compiled modules."""
     mods = [m for m in model.modules() if type(m).__name__.endswith(POINTWISE_MODULES)]
     for m in mods:
-        m.compile(dynamic=False)
+        m.compile()
     try:
         yield len(mods)
     finally:
@@ -71,9 +74,33 @@ def compiled_pointwise(model):
             m._compiled_call_impl = None  # what nn.Module.compile set: back to the eager forward
 
 
-def _capturable(cache) -> bool:
-    import os
+COMPILE = os.environ.get("POLYKV_COMPILE", "1") != "0"
+"""Whether captured decode steps (`capture_step`) compile the model's norms and MLPs
+(`compiled_pointwise`). POLYKV_COMPILE=0 turns it off (debugging, A/B timing); it is also turned
+off for the process after a compile fails."""
 
+
+def capture_step(fn: Callable[[], None], model, mempool=None, warmup: int = 2) -> torch.cuda.CUDAGraph:
+    """`capture_graph` of a model's decode step with its norms and MLPs compiled (`COMPILE`): the
+    warm-up calls compile, the capture records the fused kernels, replays never enter Python. On
+    the H200 this took a 32-agent, 4-layer pool step from 1.664 to 1.466 ms (docs/BENCHMARKS.md
+    §5.6). Where torch.compile fails (no working inductor toolchain), the step is captured with
+    the eager modules and compiling stays off for the process."""
+    global COMPILE
+    if COMPILE:
+        try:
+            with compiled_pointwise(model):
+                return capture_graph(fn, mempool, warmup)
+        except Exception as e:  # noqa: BLE001 - any compile failure: capture without it
+            if torch.cuda.is_current_stream_capturing():
+                raise
+            COMPILE = False
+            warnings.warn(f"polykv: compiling the decode step's norms and MLPs failed "
+                          f"({type(e).__name__}: {e}); captured steps run them eagerly", stacklevel=2)
+    return capture_graph(fn, mempool, warmup)
+
+
+def _capturable(cache) -> bool:
     from ..kernels import dispatch
 
     layers = cache.layers
@@ -130,7 +157,7 @@ class DecodeGraph:
 
         self._fwd = fwd
         # warm-up steps write row `length` of every layer: the first real step overwrites it
-        self.graph = capture_graph(fwd, warmup=warmup) if capture else None
+        self.graph = capture_step(fwd, model, warmup=warmup) if capture else None
 
     @torch.no_grad()
     def step(self, input_ids: torch.Tensor) -> torch.Tensor:

@@ -49,7 +49,7 @@ import numpy as np
 import torch
 
 from ..generation import greedy_ids
-from ..hf.graphs import capture_graph
+from ..hf.graphs import capture_step
 from .agent_cache import AgentCache, Group, dummy_mask
 
 
@@ -269,7 +269,7 @@ class DecodeGraphs:
             cache._group = Group(sel=slice(0, B), n_q=n_q, rows=rows, lens=lens,
                                  seq=cache.pages.table.shape[1] * cache.pages.page_size)
             try:
-                # no autograd on the eager path either (capture_graph runs it under no_grad): a
+                # no autograd on the eager path either (capture_step runs it under no_grad): a
                 # codec table cached under inference_mode elsewhere cannot enter a tracked graph
                 with torch.no_grad():
                     res = self.model(input_ids=ids, position_ids=pos, attention_mask=mask,
@@ -285,7 +285,7 @@ class DecodeGraphs:
         if self.capture:
             if self._mempool is None:
                 self._mempool = torch.cuda.graph_pool_handle()
-            graph = capture_graph(step, self._mempool, self.warmup)
+            graph = capture_step(step, self.model, self._mempool, self.warmup)
         else:
             step()  # allocates the outputs the later calls overwrite
         cap = _Captured(graph, step, hosts, inp, out)

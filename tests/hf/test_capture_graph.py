@@ -5,6 +5,7 @@ collector must not run during it (destroying a CUDA graph mid-capture invalidate
 import contextlib
 import gc
 
+import pytest
 import torch
 
 from polykv.hf import graphs
@@ -53,3 +54,55 @@ def test_capture_collects_cycles_first_and_holds_the_collector(monkeypatch):
             gc.disable()
     assert out == "graph" and len(calls) == 3  # 2 warm-ups + the captured call
     assert events == ["destroyed", ("capture begins", False), ("capture ends", False)]
+
+
+def _fake_graph_api(monkeypatch):
+    monkeypatch.setattr(torch.cuda, "Stream", _Stream)
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda *a: _Stream())
+    monkeypatch.setattr(torch.cuda, "stream", lambda s: contextlib.nullcontext())
+    monkeypatch.setattr(torch.cuda, "CUDAGraph", lambda: "graph")
+    monkeypatch.setattr(torch.cuda, "graph", lambda *a, **k: contextlib.nullcontext())
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: False)
+
+
+def test_capture_step_compiles_norms_and_mlps_for_the_capture_only(monkeypatch):
+    """capture_step: warm-ups and capture run inside compiled_pointwise (the compiled kernels are
+    what the graph records), nothing compiled outside; POLYKV_COMPILE=0 (COMPILE False) skips it."""
+    inside = []
+
+    @contextlib.contextmanager
+    def fake_compiled(model):
+        inside.append(True)
+        yield 1
+        inside.append(False)
+
+    _fake_graph_api(monkeypatch)
+    monkeypatch.setattr(graphs, "compiled_pointwise", fake_compiled)
+    monkeypatch.setattr(graphs, "COMPILE", True)
+    seen = []
+    assert graphs.capture_step(lambda: seen.append(list(inside)), model=None) == "graph"
+    assert seen == [[True]] * 3 and inside == [True, False]
+    monkeypatch.setattr(graphs, "COMPILE", False)
+    seen.clear()
+    graphs.capture_step(lambda: seen.append(list(inside)), model=None)
+    assert seen == [[True, False]] * 3  # no new compiled block
+
+
+def test_capture_step_falls_back_to_eager_modules_when_compile_fails(monkeypatch):
+    _fake_graph_api(monkeypatch)
+    monkeypatch.setattr(graphs, "COMPILE", True)
+    calls = []
+
+    @contextlib.contextmanager
+    def compiled(model):
+        yield 1
+
+    def step():
+        calls.append(graphs.COMPILE)
+        if graphs.COMPILE:  # the first warm-up compiles: say inductor has no toolchain here
+            raise RuntimeError("inductor: no C compiler")
+
+    monkeypatch.setattr(graphs, "compiled_pointwise", compiled)
+    with pytest.warns(UserWarning, match="no C compiler"):
+        assert graphs.capture_step(step, model=None) == "graph"
+    assert calls == [True, False, False, False] and graphs.COMPILE is False
