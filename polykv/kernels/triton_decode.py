@@ -533,8 +533,10 @@ def decode_parts(qp: torch.Tensor, n_q: int, k: Packed, v: Packed, k_codec, v_co
     if dec == "asm" and not use_asm and key not in _ASM_BROKEN and dev.type == "cuda":
         raise RuntimeError("dec='asm' needs compiled CUDA (not the interpreter)")
     if phase:
-        k_dec = int(use_asm and km["KIND"] in (1, 2, 3) and km["BITS"] != 8)
-        v_dec = int(use_asm and vm["KIND"] in (1, 2, 3) and vm["BITS"] != 8)
+        # q8_0 too: int8 -> fp16 by the 0x6400 magic (PRMT + HSUB2, full-rate integer pipes),
+        # not I2F (a conversion unit at a fraction of the ALU rate); turbo8 has no PTX lookup
+        k_dec = int(use_asm and km["KIND"] in (1, 2, 3) and not (km["KIND"] == 3 and km["BITS"] == 8))
+        v_dec = int(use_asm and vm["KIND"] in (1, 2, 3) and not (vm["KIND"] == 3 and vm["BITS"] == 8))
     else:
         k_dec = int(use_asm and asm_ok(k_codec, BLOCK_N, num_warps))
         v_dec = int(use_asm and asm_ok(v_codec, BLOCK_N, num_warps))
