@@ -118,7 +118,7 @@ _FULL_LENS: dict = {}
 
 def _full_lens(B: int, S: int, device) -> torch.Tensor:
     """int32 [B] filled with S, one per (B, S, device): no fill launch per call."""
-    key = (B, S, str(device))
+    key = (B, S, device)
     t = _FULL_LENS.get(key)
     if t is None:
         t = _FULL_LENS[key] = torch.full((B,), S, dtype=torch.int32, device=device)
@@ -133,7 +133,8 @@ def attention_decode(q: torch.Tensor, k: Packed, v: Packed, k_codec, v_codec, *,
     """Attention of q [B, Hq, n_q, D] over packed K/V (leading [B, Hkv, S_cap]).
     kv_start int [B]: rows before it are left padding (never keys). Returns out [B, Hq, n_q, D]
     (q.dtype) and lse float32 [B, Hq, n_q]. See reference.py."""
-    if not use_triton(q, k.codes, v.codes):
+    if not (q.is_cuda and k.codes.is_cuda and v.codes.is_cuda and not _forced()
+            and triton_available()) and not use_triton(q, k.codes, v.codes):
         return ref.attention_decode_ref(q, k, v, k_codec, v_codec, kv_lens=kv_lens, causal=causal,
                                         sm_scale=sm_scale, window=window, k_innerq=k_innerq,
                                         kv_start=kv_start)
@@ -147,10 +148,9 @@ def attention_decode(q: torch.Tensor, k: Packed, v: Packed, k_codec, v_codec, *,
     lens = (_full_lens(B, S, q.device) if kv_lens is None
             else kv_lens.to(device=q.device, dtype=torch.int32).contiguous())
     qp = _prep_q(q, kc, k_innerq, hkv)
-    out, lse = dec.decode_prepared(qp, n_q, k, v, kc, vc, lens, causal=causal, window=window,
-                                   sm_scale=sm_scale, kv_start=kv_start, out_dtype=q.dtype,
-                                   **tune)
-    return out.reshape(B, Hq, n_q, D), lse.reshape(B, Hq, n_q)
+    return dec.decode_prepared(qp, n_q, k, v, kc, vc, lens, causal=causal, window=window,
+                               sm_scale=sm_scale, kv_start=kv_start, out_dtype=q.dtype,
+                               out_shape=(B, Hq, n_q, D), **tune)
 
 
 #: Prefix chunks that start at multiples of this many rows give `cascade_attention` the values of

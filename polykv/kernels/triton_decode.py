@@ -419,12 +419,14 @@ class _DecodePlan(NamedTuple):
 
 
 def decode_prepared(qp: torch.Tensor, n_q: int, k: Packed, v: Packed, k_codec, v_codec,
-                    kv_lens: torch.Tensor, *, out_dtype: torch.dtype | None = None, **kw):
+                    kv_lens: torch.Tensor, *, out_dtype: torch.dtype | None = None,
+                    out_shape: tuple | None = None, **kw):
     """`decode_parts` and its combine (`combine_splits`): returns out float32 [B, Hkv, M, D] in
     V's storage domain and lse float32 [B, Hkv, M]; with out_dtype, out is in true space
-    (unrotated) and that dtype."""
+    (unrotated) and that dtype; with out_shape, out [*out_shape] and lse [*out_shape[:-1]] (the
+    same rows)."""
     parts = decode_parts(qp, n_q, k, v, k_codec, v_codec, kv_lens, **kw)
-    return combine_splits(parts, tuple(qp.shape), v_codec, out_dtype)
+    return combine_splits(parts, tuple(qp.shape), v_codec, out_dtype, out_shape=out_shape)
 
 
 def decode_parts(qp: torch.Tensor, n_q: int, k: Packed, v: Packed, k_codec, v_codec,
@@ -613,20 +615,24 @@ def plan_split_len(S: int, groups: int, target: int, block_n: int, max_split: in
 
 
 def combine_splits(parts: SplitParts, shape: tuple, v_codec, out_dtype: torch.dtype | None = None,
-                   *, second: SplitParts | None = None, heads_major: bool = False):
+                   *, second: SplitParts | None = None, heads_major: bool = False,
+                   out_shape: tuple | None = None):
     """Stage 2 in one launch: merge every split of `parts` (and of `second`, a second pass over
     other keys of the same rows) by log-sum-exp into out [*shape] = [B, Hkv, M, D] (float32, V's
     storage domain; with out_dtype: true space, that dtype) and lse float32 [B, Hkv, M].
     parts' rows are in shape's order, or with heads_major in [Hkv, B, M] order (the cascade's
-    prefix pass: all agents of a KV head side by side); second's rows in shape's order."""
+    prefix pass: all agents of a KV head side by side); second's rows in shape's order.
+    out_shape: out allocated as [*out_shape] and lse as [*out_shape[:-1]] instead, the same
+    row-major rows (the caller's [B, Hq, n_q, D]: no reshape per call)."""
     B, Hkv, M, D = shape
     dev = parts.o.device
-    out = torch.empty(shape, dtype=out_dtype or torch.float32, device=dev)
-    lse = torch.empty(shape[:-1], dtype=torch.float32, device=dev)
+    out_shape = out_shape or shape
+    out = torch.empty(out_shape, dtype=out_dtype or torch.float32, device=dev)
+    lse = torch.empty(out_shape[:-1], dtype=torch.float32, device=dev)
     s = second or parts  # never read without a second pass
     plan_key = None
     if dev.type == "cuda" and launch_mod.enabled:  # parts, out, lse: fresh allocations (aligned)
-        plan_key = ("combine", dev.index, tuple(shape), parts.n_splits, second and second.n_splits,
+        plan_key = ("combine", dev.index, tuple(shape), tuple(out_shape), parts.n_splits, second and second.n_splits,
                     _codec_key(v_codec), out_dtype, heads_major)
         planned = _PLANS.get(plan_key)
         if planned is not None:
