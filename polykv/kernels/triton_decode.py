@@ -402,6 +402,11 @@ contents: a repeated call (a decode step per layer) skips the launch arithmetic 
 dispatch (issue F: host time per eager call)."""
 
 
+def _plannable(dev: torch.device) -> bool:
+    """Whether calls on this device keep plans (compiled CUDA kernels, launch cache on)."""
+    return dev.type == "cuda" and launch_mod.enabled
+
+
 def _remember(key, plan) -> None:
     if len(_PLANS) >= launch_mod.MAX_ENTRIES:
         _PLANS.clear()
@@ -461,7 +466,7 @@ def decode_parts(qp: torch.Tensor, n_q: int, k: Packed, v: Packed, k_codec, v_co
     B, Hkv, M, D = qp.shape
     dev = qp.device
     plan_key = None
-    if (chunks is None and dev.type == "cuda" and launch_mod.enabled
+    if (chunks is None and _plannable(dev)
             and all(t is None or (t.dtype == torch.int32 and t.device == dev) for t in (page_table, kv_start))):
         plan_key = ("decode", dev.index, _tkey(qp), n_q, _tkey(k.codes), _tkey(k.scales), _tkey(v.codes),
                     _tkey(v.scales), _codec_key(k_codec), _codec_key(v_codec), _tkey(kv_lens), causal,
@@ -631,7 +636,7 @@ def combine_splits(parts: SplitParts, shape: tuple, v_codec, out_dtype: torch.dt
     lse = torch.empty(out_shape[:-1], dtype=torch.float32, device=dev)
     s = second or parts  # never read without a second pass
     plan_key = None
-    if dev.type == "cuda" and launch_mod.enabled:  # parts, out, lse: fresh allocations (aligned)
+    if _plannable(dev):  # parts, out, lse: fresh allocations (aligned)
         plan_key = ("combine", dev.index, tuple(shape), tuple(out_shape), parts.n_splits, second and second.n_splits,
                     _codec_key(v_codec), out_dtype, heads_major)
         planned = _PLANS.get(plan_key)
@@ -703,7 +708,7 @@ def prep_q_triton(q: torch.Tensor, k_codec, k_innerq: torch.Tensor | None, hkv: 
     s = (k_innerq.to(device=dev, dtype=torch.float32).contiguous() if k_innerq is not None
          else placeholder(dev))
     plan_key = None
-    if dev.type == "cuda" and launch_mod.enabled:
+    if _plannable(dev):
         plan_key = ("prep_q", dev.index, _tkey(q), _tkey(s), _codec_key(k_codec), hkv)
         planned = _PLANS.get(plan_key)
         if planned is not None:
