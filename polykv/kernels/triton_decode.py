@@ -665,7 +665,9 @@ def _prep_q_kernel(Q, S, OUT, ROT, R, HQ, NQ, GQA, sqb, sqh, sqn, D: tl.constexp
                    ROTATE: tl.constexpr):
     # BLOCK_R rows r = (b * HQ + hq) * NQ + j of q [B, HQ, NQ, D] (any strides, last dim 1) ->
     # float32 rows of OUT in the same order ([B, Hkv, GQA * NQ, D] contiguous), divided by the
-    # InnerQ scales of the row's KV head and rotated by ROT (block-diagonal M: y = x @ M)
+    # InnerQ scales of the row's KV head and rotated by ROT (block-diagonal M: y = x @ M); with
+    # ROTATE, program_id(1) picks the DC output columns this program writes (a decode call has
+    # 2-4 row blocks: one program per row block made the preparation a serial chain of dots)
     r = (tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)).to(tl.int64)
     rmask = r < R
     hq = (r // NQ) % HQ
@@ -674,11 +676,10 @@ def _prep_q_kernel(Q, S, OUT, ROT, R, HQ, NQ, GQA, sqb, sqh, sqn, D: tl.constexp
                 mask=rmask[:, None], other=0.0).to(tl.float32)
     if HAS_S:
         x = x / tl.load(S + (hq // GQA)[:, None] * D + d[None, :])
-    if ROTATE:  # on the tensor cores at fp32 accuracy (3 x tf32), DC output columns at a time
-        for c in tl.static_range(D // DC):
-            cols = c * DC + tl.arange(0, DC)
-            y = tl.dot(x, tl.load(ROT + d[:, None] * D + cols[None, :]), input_precision="tf32x3")
-            tl.store(OUT + r[:, None] * D + cols[None, :], y, mask=rmask[:, None])
+    if ROTATE:  # on the tensor cores at fp32 accuracy (3 x tf32)
+        cols = tl.program_id(1) * DC + tl.arange(0, DC)
+        y = tl.dot(x, tl.load(ROT + d[:, None] * D + cols[None, :]), input_precision="tf32x3")
+        tl.store(OUT + r[:, None] * D + cols[None, :], y, mask=rmask[:, None])
     else:
         tl.store(OUT + r[:, None] * D + d[None, :], x, mask=rmask[:, None])
 
@@ -718,7 +719,7 @@ def prep_q_triton(q: torch.Tensor, k_codec, k_innerq: torch.Tensor | None, hkv: 
     R = B * Hq * n_q
     if R:
         planned = cached_launch(
-            _prep_q_kernel, (cdiv(R, 16),), q, s, out,
+            _prep_q_kernel, (cdiv(R, 16), D // min(D, 32) if rotated else 1), q, s, out,
             block_rotation(k_codec.group, D, dev) if rotated else placeholder(dev),
             R, Hq, n_q, Hq // hkv, q.stride(0), q.stride(1), q.stride(2), D=D, BLOCK_R=16,
             DC=min(D, 32), HAS_S=k_innerq is not None, ROTATE=rotated, plan=3 if plan_key else 0)
