@@ -135,6 +135,21 @@ _PARTS = (("step", "polykv.pool.agents", "AgentBatch", ("step_tokens", "step_ver
           ("draft", "polykv.spec.speculator", "Speculator", ("propose_all",)))
 
 
+def _wrap_timed(klass, name: str, part: str, acc: dict, saved: list) -> None:
+    """Replace klass.name by a wrapper adding its seconds to acc[part]; (klass, name, fn) to saved."""
+    fn = getattr(klass, name)
+
+    def wrap(*a, **kw):
+        t = time.perf_counter()
+        try:
+            return fn(*a, **kw)
+        finally:
+            acc[part] = acc.get(part, 0.0) + time.perf_counter() - t
+
+    saved.append((klass, name, fn))
+    setattr(klass, name, wrap)
+
+
 @contextlib.contextmanager
 def _timed_parts(acc: dict):
     """Seconds inside the batch step (model included), the speculator's record and its drafting
@@ -145,19 +160,8 @@ def _timed_parts(acc: dict):
     for part, mod, cls, names in _PARTS:
         klass = getattr(importlib.import_module(mod), cls, None)
         for name in names:
-            fn = getattr(klass, name, None)
-            if fn is None:  # a tree before the pipelined plain loop
-                continue
-
-            def wrap(*a, _fn=fn, _part=part, **kw):
-                t = time.perf_counter()
-                try:
-                    return _fn(*a, **kw)
-                finally:
-                    acc[_part] = acc.get(_part, 0.0) + time.perf_counter() - t
-
-            saved.append((klass, name, fn))
-            setattr(klass, name, wrap)
+            if getattr(klass, name, None) is not None:  # None: a tree before the pipelined plain loop
+                _wrap_timed(klass, name, part, acc, saved)
     try:
         yield
     finally:
@@ -269,17 +273,7 @@ def _timed_parts_of(mod, acc: dict):
             yield
         return
     for part, name in (("record", "record"), ("draft", "propose_all")):
-        fn = getattr(klass, name)
-
-        def wrap(*a, _fn=fn, _part=part, **kw):
-            t = time.perf_counter()
-            try:
-                return _fn(*a, **kw)
-            finally:
-                acc[_part] = acc.get(_part, 0.0) + time.perf_counter() - t
-
-        saved.append((klass, name, fn))
-        setattr(klass, name, wrap)
+        _wrap_timed(klass, name, part, acc, saved)
     try:
         with _timed_parts(acc):  # the batch step's parts (its record / draft wraps: the live package's)
             yield
