@@ -83,8 +83,8 @@ off for the process after a compile fails."""
 def capture_step(fn: Callable[[], None], model, mempool=None, warmup: int = 2) -> torch.cuda.CUDAGraph:
     """`capture_graph` of a model's decode step with its norms and MLPs compiled (`COMPILE`): the
     warm-up calls compile, the capture records the fused kernels, replays never enter Python. On
-    the H200 this took a 32-agent, 4-layer pool step from 1.664 to 1.466 ms (docs/BENCHMARKS.md
-    §5.6). Where torch.compile fails (no working inductor toolchain), the step is captured with
+    an H200, one run: a pipelined 32-agent, 4-layer pool step 1.670 ms eager -> 1.467 ms compiled
+    (docs/BENCHMARKS.md §5.8). Where torch.compile fails (no working inductor toolchain), the step is captured with
     the eager modules and compiling stays off for the process."""
     global COMPILE
     if COMPILE:
