@@ -16,6 +16,7 @@ from __future__ import annotations
 import contextlib
 import gc
 import os
+import threading
 import warnings
 from typing import Callable
 
@@ -56,22 +57,48 @@ POINTWISE_MODULES = ("RMSNorm", "MLP")
 mean, rsqrt, scale: ~7 kernels each in eager mode) and MLP activation x up-projection products."""
 
 
+_COMPILED_LOCK = threading.RLock()
+_COMPILED_HERE = threading.local()
+
+
+class _ThreadGate:
+    """A module's `_compiled_call_impl` inside `compiled_pointwise`: the compiled forward for the
+    thread that opened the block, the eager one for every other thread (a batch of the same pool
+    prefilling or stepping eagerly meanwhile must neither run nor trigger compiled code)."""
+
+    def __init__(self, module):
+        self.module, self.compiled = module, torch.compile(module._call_impl)
+
+    def __call__(self, *args, **kwargs):
+        if getattr(_COMPILED_HERE, "on", False):
+            return self.compiled(*args, **kwargs)
+        return self.module._call_impl(*args, **kwargs)
+
+
 @contextlib.contextmanager
 def compiled_pointwise(model):
-    """Within the block, the model's norm and MLP submodules run torch.compile'd (inductor), so a
-    captured decode step runs fused kernels instead of chains of small elementwise ones; attention
-    modules stay eager (they call the polykv caches). Undone on exit. The first shape compiles
-    static, a second one recompiles with its batch and token dims dynamic (automatic dynamic), so
-    every batch bucket and verify width shares two compiles (seconds each); outputs equal eager up
-    to float rounding. Yields the number of compiled modules."""
+    """Within the block, the model's norm and MLP submodules run torch.compile'd (inductor) in
+    this thread, so a captured decode step runs fused kernels instead of chains of small
+    elementwise ones; attention modules stay eager (they call the polykv caches). Other threads
+    keep the eager modules, and blocks of different threads run one at a time (dynamo is not
+    thread-safe). Undone on exit. The first shape compiles static, a second one recompiles with
+    its batch and token dims dynamic (automatic dynamic), so every batch bucket and verify width
+    shares two compiles (seconds each); outputs equal eager up to float rounding. Yields the
+    number of compiled modules."""
     mods = [m for m in model.modules() if type(m).__name__.endswith(POINTWISE_MODULES)]
-    for m in mods:
-        m.compile()
-    try:
-        yield len(mods)
-    finally:
+    with _COMPILED_LOCK:
+        outer = getattr(_COMPILED_HERE, "on", False)
         for m in mods:
-            m._compiled_call_impl = None  # what nn.Module.compile set: back to the eager forward
+            if not isinstance(m._compiled_call_impl, _ThreadGate):
+                m._compiled_call_impl = _ThreadGate(m)
+        _COMPILED_HERE.on = True
+        try:
+            yield len(mods)
+        finally:
+            _COMPILED_HERE.on = outer
+            if not outer:
+                for m in mods:
+                    m._compiled_call_impl = None  # what nn.Module.__call__ checks: the eager forward
 
 
 COMPILE = os.environ.get("POLYKV_COMPILE", "1") != "0"

@@ -106,3 +106,58 @@ def test_capture_step_falls_back_to_eager_modules_when_compile_fails(monkeypatch
     with pytest.warns(UserWarning, match="no C compiler"):
         assert graphs.capture_step(step, model=None) == "graph"
     assert calls == [True, False, False, False] and graphs.COMPILE is False
+
+
+def test_compiled_pointwise_is_per_thread_and_one_block_at_a_time(monkeypatch):
+    """Inside a block, this thread's norms / MLPs run the compiled forward; another thread running
+    the same model meanwhile runs them eagerly (and compiles nothing); blocks of two threads do not
+    overlap (dynamo is not thread-safe); on exit the modules are eager again."""
+    import threading
+    import time
+
+    calls = []
+
+    def fake_compile(fn):
+        def compiled(*a, **k):
+            calls.append(("compiled", threading.current_thread().name))
+            return fn(*a, **k)
+        return compiled
+
+    monkeypatch.setattr(torch, "compile", fake_compile)
+
+    class RMSNorm(torch.nn.Module):
+        def forward(self, x):
+            return x * 2
+
+    class Toy(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.norm = RMSNorm()
+
+        def forward(self, x):
+            return self.norm(x)
+
+    model, x = Toy(), torch.ones(2)
+    inside, release, order = threading.Event(), threading.Event(), []
+
+    def other():
+        inside.wait()
+        model(x)  # while the main thread's block is open: eager here
+        release.set()
+        with graphs.compiled_pointwise(model):  # waits for the main thread's block to close
+            order.append("other in")
+            model(x)
+
+    t = threading.Thread(target=other, name="other")
+    t.start()
+    with graphs.compiled_pointwise(model) as n:
+        assert n == 1
+        model(x)
+        inside.set()
+        release.wait(5)
+        time.sleep(0.2)  # room for the other thread to enter, were blocks not exclusive
+        order.append("main out")
+    t.join(5)
+    assert calls == [("compiled", "MainThread"), ("compiled", "other")]
+    assert order == ["main out", "other in"]
+    assert model.norm._compiled_call_impl is None and torch.equal(model(x), x * 2)
