@@ -7,7 +7,9 @@ waits. Per case (q8_0 / turbo3 decode and turbo4 / turbo3 decode of one sequence
 cascade of 8 and 32 agents over a 4k prefix with 64-token suffixes; 32 q / 8 KV heads, head_dim
 128, fp16) it reports, each a median over rounds of `calls` back-to-back calls:
 
-- us_call: wall time per call with one synchronize per round (host-bound: this is host time);
+- us_call: wall time per call with one synchronize per round (host-bound: this is host time),
+  rounds alternating with the launch cache off (us_call_uncached; uncached_over_planned: the
+  median of the per-round ratios);
 - us_device: the same call replayed from a CUDA graph (device time, for contrast);
 - us_python: per call with every Triton launch replaced by a no-op (polykv's own Python, launch
   cache off); us_python_planned: the same with the planned launches (cache on) stubbed;
@@ -116,10 +118,15 @@ def main() -> None:
     rows = []
     for name, fn in _cases():
         row = dict(case=name)
-        for on in (True, False):
-            launch.enabled = on
-            row["us_call" if on else "us_call_uncached"] = _per_call_us(fn)
+        # cache on / off alternating round by round (the host is shared: runs drift)
+        on, off = [], []
+        for _ in range(7):
+            for flag, acc in ((True, on), (False, off)):
+                launch.enabled = flag
+                acc.append(_per_call_us(fn, rounds=1))
         launch.enabled = True
+        row.update(us_call=statistics.median(on), us_call_uncached=statistics.median(off),
+                   uncached_over_planned=statistics.median(b / a for a, b in zip(on, off)))
         row["us_device"] = _per_call_us(graphed(fn))
         run = launch.Planned.__call__
         launch.Planned.__call__ = lambda self, *t: None  # planned launches stubbed: their Python
