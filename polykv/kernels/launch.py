@@ -109,7 +109,8 @@ class Planned:
     """A launch with everything but its leading tensors bound: `planned(*tensors)` launches the
     same compiled kernel, grid and other arguments on new tensors. The caller keys its plans on
     whatever decides those (shapes, strides, dtypes, alignment of the tensors): nothing is
-    checked per call."""
+    checked per call, launch hooks included (a profiler installed later sees Triton-path launches
+    only: set `enabled = False` to profile through hooks)."""
 
     __slots__ = ("run", "function", "meta", "grid", "static", "dev", "stream")
 
@@ -121,8 +122,3 @@ class Planned:
         g = self.grid
         self.run(g[0], g[1], g[2], self.stream(self.dev), self.function, self.meta, None, None, None,
                  *tensors, *self.static)
-
-
-def aligned(t: torch.Tensor) -> bool:
-    """A plan key's view of a tensor's pointer: what Triton specialises on (16-byte alignment)."""
-    return not t.data_ptr() & 15
