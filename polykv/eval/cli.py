@@ -145,6 +145,10 @@ def ppl(preset: Optional[str] = typer.Option(None, "--preset", help=PRESET_HELP)
         keep_layers_q8: int = typer.Option(0, "--keep-layers-q8", help="first/last n layers stored as q8_0"),
         precision: str = typer.Option("auto", "--precision", help=PRECISION_HELP),
         anchors: Optional[str] = typer.Option(None, "--anchors", help=ANCHORS_HELP + " (--method windows)"),
+        chunk: int = typer.Option(64, "--chunk", min=1, help="tokens per forward in the scored half "
+                                  "(--method windows; 1: token by token, as decoding feeds them)"),
+        skip_tokens: int = typer.Option(0, "--skip-tokens", min=0, help="start the windows after this many "
+                                        "corpus tokens (--method windows)"),
         threads: Optional[int] = typer.Option(None, "--threads", help="torch CPU threads"),
         device: Optional[str] = typer.Option(None, "--device", help=DEVICE_HELP),
         as_json: bool = typer.Option(False, "--json", help="print one JSON object")):
@@ -159,10 +163,14 @@ def ppl(preset: Optional[str] = typer.Option(None, "--preset", help=PRESET_HELP)
     anc = _anchors(anchors)
     if anc is not None and method != "windows":
         raise typer.BadParameter("--anchors is measured with --method windows only")
+    if (chunk != 64 or skip_tokens) and method != "windows":
+        raise typer.BadParameter("--chunk / --skip-tokens apply to --method windows only")
     m, tok = _load(model, threads, device)
     run = eval_ppl if method == "windows" else eval_prefill_score
     ov, info = preset_overrides(m, preset, k_arg, v_arg, precision)
     extra = {"anchors": anc} if anc is not None else {}
+    if method == "windows":
+        extra.update(chunk=chunk, skip_tokens=skip_tokens)
     r = run(m, tok, k, v, ctx, text=text, windows=windows, innerq=iq, keep_layers_q8=keep_layers_q8,
             overrides=ov, **extra)
     r["preset"] = preset

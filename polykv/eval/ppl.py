@@ -162,12 +162,13 @@ def eval_prefill_score(model, tok, k: str = "q8_0", v: str = "turbo3", ctx: int 
     }
 
 
-def _run(model, tok, wins, k, v, innerq, keep_layers_q8, show, desc, overrides=None, anchors=None):
+def _run(model, tok, wins, k, v, innerq, keep_layers_q8, show, desc, overrides=None, anchors=None,
+         chunk: int = CHUNK):
     nll, count, report = 0.0, 0, None
     for ids in _bar(wins, desc=desc, enabled=show):
         cache = make_cache(model, k, v, innerq=innerq, keep_layers_q8=keep_layers_q8, overrides=overrides,
                            anchors=anchors)
-        a, b = score_window(model, cache, ids)
+        a, b = score_window(model, cache, ids, chunk)
         nll += a
         count += b
         cache.compact()
@@ -182,7 +183,8 @@ def _run(model, tok, wins, k, v, innerq, keep_layers_q8, show, desc, overrides=N
 
 def eval_ppl(model, tok, k: str = "q8_0", v: str = "turbo3", ctx: int = 2048, text=None,
              windows: int | None = None, innerq=None, keep_layers_q8: int = 0, progress: bool = True,
-             ppl_ref: float | None = None, skip_tokens: int = 0, overrides=None, anchors=None) -> dict:
+             ppl_ref: float | None = None, skip_tokens: int = 0, overrides=None, anchors=None,
+             chunk: int = CHUNK) -> dict:
     """Perplexity with K/V stored as k/v vs the f16 reference (DESIGN §7).
 
     text: file path or literal text (None: bundled Pride and Prejudice); windows: number of ctx
@@ -190,18 +192,21 @@ def eval_ppl(model, tok, k: str = "q8_0", v: str = "turbo3", ctx: int = 2048, te
     windows; skip_tokens: start the windows after this many corpus tokens; overrides: {layer: (k, v)}
     per-layer types of the cache under test (a preset's calibrated precision policy); anchors:
     `polykv.eval.anchors.Anchors` simulated on the cache under test (adds the field "anchors":
-    the spec and the bits/value stored / with the anchors held at their precision, last window).
+    the spec and the bits/value stored / with the anchors held at their precision, last window);
+    chunk: tokens fed per forward in the scored half (1: token by token, as decoding feeds them;
+    the reference uses the same; adds the field "chunk" when not the default 64).
     Returns {ppl, ppl_ref, delta_pct, tokens, ...} (tokens = scored tokens)."""
     t0 = time.time()
     wins = corpus_windows(tok, load_text(text), ctx, windows, skip_tokens)
     nll, count, report = _run(model, tok, wins, k, v, innerq, keep_layers_q8, progress,
-                              f"ppl {k}/{v} ctx={ctx}", overrides, anchors)
+                              f"ppl {k}/{v} ctx={ctx}", overrides, anchors, chunk)
     ppl = math.exp(nll / count)
     if ppl_ref is None:
         if (k, v) == ("f16", "f16") and not keep_layers_q8 and not overrides:
             ppl_ref = ppl
         else:
-            rn, rc, _ = _run(model, tok, wins, "f16", "f16", None, 0, progress, f"ppl f16 ctx={ctx}")
+            rn, rc, _ = _run(model, tok, wins, "f16", "f16", None, 0, progress, f"ppl f16 ctx={ctx}",
+                             chunk=chunk)
             ppl_ref = math.exp(rn / rc)
     return {
         "ppl": ppl, "ppl_ref": ppl_ref, "delta_pct": (ppl / ppl_ref - 1.0) * 100.0, "tokens": count,
@@ -211,6 +216,7 @@ def eval_ppl(model, tok, k: str = "q8_0", v: str = "turbo3", ctx: int = 2048, te
         "bits_per_value": report["bits_per_value"] if report else None,
         "seconds": round(time.time() - t0, 1),
         **({"anchors": report["anchors"]} if anchors is not None and report else {}),
+        **({"chunk": chunk} if chunk != CHUNK else {}),
     }
 
 

@@ -320,3 +320,30 @@ def load_text_default():
     from polykv.eval.common import load_text
 
     return load_text(None)
+
+
+def test_ppl_chunk_feeds_the_scored_half_token_by_token(tiny, tok, tiny_dir, monkeypatch):
+    """eval_ppl(chunk=1) scores the same tokens fed one per forward (f16: the same perplexity as
+    chunks of 64, to float rounding; compressed: its own figure); the CLI passes --chunk and
+    --skip-tokens through and reports chunk only when it is not the default."""
+    import json
+
+    from typer.testing import CliRunner
+
+    from polykv.eval import ppl as P
+    from polykv.eval.cli import app
+
+    fed = []
+    orig = P.score_window
+    monkeypatch.setattr(P, "score_window", lambda m, c, ids, chunk=P.CHUNK: fed.append(chunk) or orig(m, c, ids, chunk))
+    one = P.eval_ppl(tiny, tok, "q8_0", "turbo3", ctx=96, windows=1, progress=False, chunk=1)
+    base = P.eval_ppl(tiny, tok, "q8_0", "turbo3", ctx=96, windows=1, progress=False)
+    assert fed == [1, 1, 64, 64]  # cache under test, then its f16 reference, per call
+    assert one["chunk"] == 1 and "chunk" not in base and one["tokens"] == base["tokens"]
+    assert one["ppl_ref"] == pytest.approx(base["ppl_ref"], rel=1e-4)
+    res = CliRunner().invoke(app, ["ppl", "--k", "q8_0", "--v", "turbo3", "--ctx", "96", "--windows", "1",
+                                   "--chunk", "8", "--skip-tokens", "96", "--model", tiny_dir, "--json"])
+    assert res.exit_code == 0, res.output
+    assert json.loads(res.stdout.strip().splitlines()[-1])["chunk"] == 8 and fed[-2:] == [8, 8]
+    res = CliRunner().invoke(app, ["ppl", "--method", "prefill-score", "--chunk", "8", "--model", tiny_dir])
+    assert res.exit_code != 0 and "windows only" in res.output
