@@ -118,7 +118,7 @@ def main() -> None:
     rows = []
     for name, fn in _cases():
         row = dict(case=name)
-        # cache on / off alternating round by round (the host is shared: runs drift)
+        # cache on / off alternating round by round (the host's speed drifts between runs)
         on, off = [], []
         for _ in range(7):
             for flag, acc in ((True, on), (False, off)):
