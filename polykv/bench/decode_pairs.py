@@ -20,8 +20,9 @@ from polykv.bench.attention import bench_one
 PAIRS = (("q8_0", "turbo3"), ("turbo4", "turbo3"), ("turbo3", "turbo3"))
 
 
-def check(kname: str, vname: str, ctx: int = 4099) -> float:
-    """rel. error of attention_decode vs attention_decode_ref (K InnerQ-scaled when rotated)."""
+def check(kname: str, vname: str, ctx: int = 4099, tune: dict | None = None) -> float:
+    """rel. error of attention_decode (tuning keywords `tune`) vs attention_decode_ref (K
+    InnerQ-scaled when rotated)."""
     from polykv.codecs import get_codec
     from polykv.kernels import attention_decode, attention_decode_ref
 
@@ -32,7 +33,7 @@ def check(kname: str, vname: str, ctx: int = 4099) -> float:
     kp = kc.encode(k * s[None, :, None, :] if s is not None else k)
     vp = vc.encode(torch.randn(2, 8, ctx, 128, device="cuda", generator=g))
     q = torch.randn(2, 32, 1, 128, device="cuda", generator=g, dtype=torch.bfloat16)
-    out, _ = attention_decode(q, kp, vp, kc, vc, k_innerq=s)
+    out, _ = attention_decode(q, kp, vp, kc, vc, k_innerq=s, **(tune or {}))
     ref, _ = attention_decode_ref(q, kp, vp, kc, vc, k_innerq=s)
     return float((out.double() - ref.double()).norm() / ref.double().norm())
 

@@ -1,6 +1,6 @@
 """Sweep launch configurations of one sequence's decode (`attention_decode` tuning keywords) at a few
 context lengths (GPU): CUDA-graph replay time per config, SDPA fp16 once per length, and each
-config's output checked against the torch reference on a 16,411-row cache (rel. error).
+config's output checked against the torch reference (decode_pairs.check: rel. error).
 
     PYTHONPATH=. python3 polykv/bench/decode_sweep.py [--ctx 65536,16384] [--k q8_0 --v turbo3] [--configs JSON]
 
@@ -17,6 +17,7 @@ import os
 import torch
 
 from polykv.bench.attention import bench_one
+from polykv.bench.decode_pairs import check
 
 
 def default_configs(sms: int) -> list[dict]:
@@ -24,21 +25,6 @@ def default_configs(sms: int) -> list[dict]:
     return [{}, {"num_stages": 3}, {"target_programs": sms * 6}, {"target_programs": sms * 10},
             {"target_programs": sms * 12}, {"block_n": 128}, {"num_warps": 2},
             {"block_n": 32, "target_programs": sms * 12}]
-
-
-def check_error(k: str, v: str, tune: dict, rows: int = 16411) -> float:
-    """rel. error of attention_decode under `tune` vs attention_decode_ref, same packed data."""
-    from polykv.codecs import get_codec
-    from polykv.kernels import attention_decode, attention_decode_ref
-
-    g = torch.Generator(device="cuda").manual_seed(9)
-    kc, vc = get_codec(k, 128), get_codec(v, 128)
-    kp = kc.encode(torch.randn(1, 8, rows, 128, device="cuda", generator=g))
-    vp = vc.encode(torch.randn(1, 8, rows, 128, device="cuda", generator=g))
-    q = torch.randn(1, 32, 1, 128, device="cuda", generator=g, dtype=torch.float16)
-    ref = attention_decode_ref(q.float(), kp, vp, kc, vc)[0]
-    out = attention_decode(q, kp, vp, kc, vc, **tune)[0].float()
-    return float((out - ref).norm() / ref.norm())
 
 
 def main() -> None:
@@ -56,7 +42,7 @@ def main() -> None:
         for i, tune in enumerate(configs):
             try:
                 r = bench_one(ctx, 1, a.k, a.v, tune=tune, sdpa=i == 0)
-                r.update(tune=tune, rel_err=check_error(a.k, a.v, tune))
+                r.update(tune=tune, rel_err=check(a.k, a.v, tune=tune))
             except Exception as e:  # a config that does not build: say so, go on
                 r = dict(ctx=ctx, tune=tune, error=f"{type(e).__name__}: {e}"[:300])
             rows.append(r)

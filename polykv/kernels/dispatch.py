@@ -133,8 +133,7 @@ def attention_decode(q: torch.Tensor, k: Packed, v: Packed, k_codec, v_codec, *,
     """Attention of q [B, Hq, n_q, D] over packed K/V (leading [B, Hkv, S_cap]).
     kv_start int [B]: rows before it are left padding (never keys). Returns out [B, Hq, n_q, D]
     (q.dtype) and lse float32 [B, Hq, n_q]. See reference.py."""
-    if not (q.is_cuda and k.codes.is_cuda and v.codes.is_cuda and not _forced()
-            and triton_available()) and not use_triton(q, k.codes, v.codes):
+    if not use_triton(q, k.codes, v.codes):
         return ref.attention_decode_ref(q, k, v, k_codec, v_codec, kv_lens=kv_lens, causal=causal,
                                         sm_scale=sm_scale, window=window, k_innerq=k_innerq,
                                         kv_start=kv_start)
