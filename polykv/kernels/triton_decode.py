@@ -739,6 +739,19 @@ def _zeros_tuple(N: tl.constexpr, BM: tl.constexpr, W: tl.constexpr):
 
 
 @triton.jit
+def _tile_factors(S, off, nmask, KIND: tl.constexpr, N: tl.constexpr):
+    """The per-row factors of one key tile, fp16 [BLOCK_N] each, as a tuple: element 1 + i is
+    factor i of row n at S + off[n] + i, i < N (KIND 1 / 2: q8_0 / q4_0 block scales; 3: turbo
+    group norms; 0: none). Element 0 is an unused zero vector: a loop-carried tuple of one
+    element would come back from the loop as a bare tensor."""
+    f = (tl.zeros(off.shape, tl.float16),)
+    if KIND != 0:
+        for i in tl.static_range(N):
+            f = f + (tl.load(S + off + i, mask=nmask, other=0.0),)
+    return f
+
+
+@triton.jit
 def _phase_decode_kernel(
         Q, KC, KS, VC, VS, KCENT, VCENT, KV_LENS, KV_START, PT, O_PART, L_PART,
         skb, skh, sks, sksb, sksh, skss,
@@ -789,14 +802,28 @@ def _phase_decode_kernel(
     vbase = b.to(tl.int64) * svb + h.to(tl.int64) * svh
     vsbase = b.to(tl.int64) * svsb + h.to(tl.int64) * svsh
 
+    # the per-row factors (block scales, norms) are 2-byte loads too narrow for Triton's cp.async
+    # pipeline: each tile's are loaded one iteration ahead, into registers, so their memory
+    # latency overlaps the previous tile's work instead of stalling every tile
+    K_NF: tl.constexpr = K_NG if K_KIND == 3 else K_NP
+    V_NF: tl.constexpr = V_NG if V_KIND == 3 else V_NP
+    offs_f = start + tl.arange(0, BLOCK_N)
+    on_f = _row_index(PT, PT_STRIDE, b, tl.maximum(tl.minimum(start, end - 1), 0), offs_f, PAGE, BLOCK_N)
+    kf = _tile_factors(KS, ksbase + on_f * skss, offs_f < end, K_KIND, K_NF)
+    vf = _tile_factors(VS, vsbase + on_f * svss, offs_f < end, V_KIND, V_NF)
     for n0 in range(start, end, BLOCK_N):
         offs_n = n0 + tl.arange(0, BLOCK_N)
         nmask = offs_n < end
         on = _row_index(PT, PT_STRIDE, b, n0, offs_n, PAGE, BLOCK_N)
         m2 = nmask[:, None]
+        kf_t = kf
+        vf_t = vf
+        offs_f = offs_n + BLOCK_N
+        on_f = _row_index(PT, PT_STRIDE, b, tl.minimum(n0 + BLOCK_N, end - 1), offs_f, PAGE, BLOCK_N)
+        kf = _tile_factors(KS, ksbase + on_f * skss, offs_f < end, K_KIND, K_NF)
+        vf = _tile_factors(VS, vsbase + on_f * svss, offs_f < end, V_KIND, V_NF)
         # ---- scores: per phase dot; factor per scale block (q8_0/q4_0) or per group (turbo)
         k_row = (kbase + on * sks)[:, None]
-        ks_off = ksbase + on * skss
         s = tl.zeros([BLOCK_N, BLOCK_M], tl.float32)
         for g in tl.static_range(K_NG):
             sg = tl.zeros([BLOCK_N, BLOCK_M], tl.float32)
@@ -806,13 +833,12 @@ def _phase_decode_kernel(
                                     K_DEC, KA0, KA1, KA2, KA3, KA4, KA5, KA6, KA7)
                     kq = qs[(g * K_NPH + ph) * K_NSB + sb]
                     if K_KIND == 1 or K_KIND == 2:
-                        sc = tl.load(KS + ks_off + (ph * K_NSB + sb), mask=nmask,
-                                     other=0.0).to(tl.float32)
+                        sc = kf_t[1 + (g * K_NPH + ph) * K_NSB + sb].to(tl.float32)
                         s += tl.dot(kt, kq) * sc[:, None]
                     else:
                         sg = tl.dot(kt, kq, sg)
             if K_KIND == 3:
-                s += sg * tl.load(KS + ks_off + g, mask=nmask, other=0.0).to(tl.float32)[:, None]
+                s += sg * kf_t[1 + g].to(tl.float32)[:, None]
             elif K_KIND == 0:
                 s += sg
         s = s * qk_scale
@@ -833,7 +859,6 @@ def _phase_decode_kernel(
         m_i = m_new
         # ---- values: the factor folds into P (per group for turbo, per block for q8_0/q4_0)
         v_row = (vbase + on * svs)[None, :]
-        vs_off = vsbase + on * svss
         m2t = nmask[None, :]
         for i in tl.static_range(V_NP):
             vg = i // (V_NPH * V_NSB)
@@ -841,14 +866,12 @@ def _phase_decode_kernel(
             vsb = i % V_NSB
             if V_KIND == 3:
                 if i % (V_NPH * V_NSB) == 0:  # once per group
-                    pg = (p * tl.load(VS + vs_off + vg, mask=nmask, other=0.0).to(tl.float32)[
-                        :, None]).to(tl.float16)
+                    pg = (p * vf_t[1 + i // (V_NPH * V_NSB)].to(tl.float32)[:, None]).to(tl.float16)
                 pb = pg
             elif V_KIND == 0:
                 pb = p.to(tl.float16)
             else:
-                sc = tl.load(VS + vs_off + i, mask=nmask, other=0.0).to(tl.float32)
-                pb = (p * sc[:, None]).to(tl.float16)
+                pb = (p * vf_t[1 + i].to(tl.float32)[:, None]).to(tl.float16)
             vt = phase_tile(VC, VCENT, v_row, m2t, vg, vph, vsb, D, V_KIND, V_BITS, V_G, V_PW,
                             V_DEC, VA0, VA1, VA2, VA3, VA4, VA5, VA6, VA7, TRANS=True)
             accs = accs[:i] + (tl.dot(vt, pb, accs[i] * alpha[None, :]),) + accs[i + 1:]
