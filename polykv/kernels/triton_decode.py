@@ -25,6 +25,11 @@ from .launch import launch as cached_launch
 from .triton_codec import (_codec_key, asm_ok, asm_strings, cdiv, codec_meta, load_tile, next_pow2,
                            perm_cols, phase_meta, phase_ok, phase_tile, placeholder)
 
+try:  # griddepcontrol (programmatic dependent launch), sm_90+
+    from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
+except ImportError:  # pragma: no cover - older Triton: PDL never enabled (pdl_ok)
+    gdc_launch_dependents = gdc_wait = None
+
 LOG2E = 1.4426950408889634
 LN2 = 0.6931471805599453
 
@@ -276,14 +281,18 @@ def _decode_kernel(
 @triton.jit
 def _combine_kernel(PO, PL, SO, SL, OUT, LSE, ROT, HKV, M, N_AGENTS, NSP, NSS,
                             D: tl.constexpr, NSP_P2: tl.constexpr, NSS_P2: tl.constexpr,
-                            G: tl.constexpr, HAS_S: tl.constexpr, UNROT: tl.constexpr):
+                            G: tl.constexpr, HAS_S: tl.constexpr, UNROT: tl.constexpr,
+                            PDL: tl.constexpr = False):
     """Merge the splits of output row r (one program per row) by log-sum-exp: the splits of a
     first pass P (PO / PL), whose row for r = (n * HKV + h) * M + mm is (h * N_AGENTS + n) * M + mm
     (the cascade's prefix pass keeps all agents of a KV head side by side; HKV = 1 makes it r), and
     with HAS_S those of a second pass S (SO / SL) at row r — all splits of both loaded at once
     ([splits, G] tiles). With UNROT the row goes from V's storage domain back to true space
     (y_g = o_g @ M^T per group of G, ROT = M float32 [G, G]); stored in OUT's dtype: the whole
-    epilogue of a decode or cascade call in one launch."""
+    epilogue of a decode or cascade call in one launch. PDL: launched as a programmatic dependent
+    of the split pass (`pdl_ok`), so it waits for that pass's results here."""
+    if PDL:
+        gdc_wait()
     r = tl.program_id(0).to(tl.int64)
     n = r // (HKV * M)
     h = (r // M) % HKV
@@ -373,6 +382,23 @@ def num_programs_target(device) -> int:
 PHASE_MAX_ROWS = 16
 
 _ASM_BROKEN: set = set()  # (k kind/bits, v kind/bits) whose inline-asm build failed here
+
+
+_PDL: dict = {}
+
+
+def pdl_ok(dev: torch.device) -> bool:
+    """Whether kernels on this device launch as programmatic dependents of the kernel before them
+    (CUDA sm_90+, compiled, POLYKV_PDL not 0): the split pass and its combine then overlap their
+    launch with the previous kernel's tail instead of waiting for it to drain."""
+    if dev.type != "cuda" or gdc_wait is None or _interpreting():
+        return False
+    key = dev.index if dev.index is not None else torch.cuda.current_device()
+    if key not in _PDL:
+        import os
+        _PDL[key] = (torch.cuda.get_device_capability(key)[0] >= 9
+                     and os.environ.get("POLYKV_PDL", "1") != "0")
+    return _PDL[key]
 
 
 def _interpreting() -> bool:
@@ -584,6 +610,7 @@ def decode_parts(qp: torch.Tensor, n_q: int, k: Packed, v: Packed, k_codec, v_co
             KA0=ka[0], KA1=ka[1], KA2=ka[2], KA3=ka[3], KA4=ka[4], KA5=ka[5], KA6=ka[6],
             KA7=ka[7], VA0=va[0], VA1=va[1], VA2=va[2], VA3=va[3], VA4=va[4], VA5=va[5],
             VA6=va[6], VA7=va[7], num_warps=num_warps, num_stages=num_stages, **extra,
+            **({"PDL": True, "launch_pdl": True} if phase and pdl_ok(dev) else {}),
             plan=12 if plan_key is not None else 0)
 
     for i, part in enumerate(chunks):
@@ -653,6 +680,7 @@ def combine_splits(parts: SplitParts, shape: tuple, v_codec, out_dtype: torch.dt
             *((Hkv, M, B) if heads_major else (1, 1, 1)), parts.n_splits, nss, D=D,
             NSP_P2=next_pow2(parts.n_splits), NSS_P2=next_pow2(nss),
             G=v_codec.group if unrot else D, HAS_S=second is not None, UNROT=unrot,
+            **({"PDL": True, "launch_pdl": True} if pdl_ok(dev) else {}),
             plan=6 if plan_key is not None else 0)
         if planned is not None:
             _remember(plan_key, planned)
@@ -662,12 +690,16 @@ def combine_splits(parts: SplitParts, shape: tuple, v_codec, out_dtype: torch.dt
 @triton.jit
 def _prep_q_kernel(Q, S, OUT, ROT, R, HQ, NQ, GQA, sqb, sqh, sqn, D: tl.constexpr,
                    BLOCK_R: tl.constexpr, DC: tl.constexpr, HAS_S: tl.constexpr,
-                   ROTATE: tl.constexpr):
+                   ROTATE: tl.constexpr, PDL: tl.constexpr = False):
     # BLOCK_R rows r = (b * HQ + hq) * NQ + j of q [B, HQ, NQ, D] (any strides, last dim 1) ->
     # float32 rows of OUT in the same order ([B, Hkv, GQA * NQ, D] contiguous), divided by the
     # InnerQ scales of the row's KV head and rotated by ROT (block-diagonal M: y = x @ M); with
     # ROTATE, program_id(1) picks the DC output columns this program writes (a decode call has
-    # 2-4 row blocks: one program per row block made the preparation a serial chain of dots)
+    # 2-4 row blocks: one program per row block made the preparation a serial chain of dots).
+    # PDL (pdl_ok): waits for q's producer, and lets the split pass launch behind it at once
+    if PDL:
+        gdc_wait()
+        gdc_launch_dependents()
     r = (tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)).to(tl.int64)
     rmask = r < R
     hq = (r // NQ) % HQ
@@ -722,7 +754,8 @@ def prep_q_triton(q: torch.Tensor, k_codec, k_innerq: torch.Tensor | None, hkv: 
             _prep_q_kernel, (cdiv(R, 16), D // min(D, 32) if rotated else 1), q, s, out,
             block_rotation(k_codec.group, D, dev) if rotated else placeholder(dev),
             R, Hq, n_q, Hq // hkv, q.stride(0), q.stride(1), q.stride(2), D=D, BLOCK_R=16,
-            DC=min(D, 32), HAS_S=k_innerq is not None, ROTATE=rotated, plan=3 if plan_key else 0)
+            DC=min(D, 32), HAS_S=k_innerq is not None, ROTATE=rotated,
+            **({"PDL": True, "launch_pdl": True} if pdl_ok(dev) else {}), plan=3 if plan_key else 0)
         if planned is not None:
             _remember(plan_key, planned)
     return out
@@ -766,12 +799,18 @@ def _phase_decode_kernel(
         KA0: tl.constexpr, KA1: tl.constexpr, KA2: tl.constexpr, KA3: tl.constexpr,
         KA4: tl.constexpr, KA5: tl.constexpr, KA6: tl.constexpr, KA7: tl.constexpr,
         VA0: tl.constexpr, VA1: tl.constexpr, VA2: tl.constexpr, VA3: tl.constexpr,
-        VA4: tl.constexpr, VA5: tl.constexpr, VA6: tl.constexpr, VA7: tl.constexpr):
+        VA4: tl.constexpr, VA5: tl.constexpr, VA6: tl.constexpr, VA7: tl.constexpr,
+        PDL: tl.constexpr = False):
     """Same contract as _decode_kernel, computed transposed: scores sT [BLOCK_N keys, BLOCK_M rows]
     = K_tile @ q^T and out^T [D, rows] += V_tile^T @ P^T, so the query rows sit on the mma's
     small N dimension (a GQA group of 4 pads to 8, not 16) and the decoded K / V tiles are the A
     operand. K and V are read as phase tiles (triton_codec.phase_tile): each tile is decoded in
-    registers straight into the operand layout. q / output columns in natural order."""
+    registers straight into the operand layout. q / output columns in natural order.
+    PDL: launched as a programmatic dependent (`pdl_ok`): waits for the previous kernel's writes
+    before its first load, and lets the combine that follows launch at once."""
+    if PDL:
+        gdc_wait()
+        gdc_launch_dependents()
     pid_bh = tl.program_id(0)
     pid_s = tl.program_id(1)
     pid_m = tl.program_id(2)
