@@ -121,18 +121,41 @@ def _static_steps():
     from ..pool import decode_graph
 
     saved = decode_graph.graphs_supported, decode_graph.DecodeGraphs
+
+    class Timed(saved[1]):  # each static step's seconds into _STATIC[0]["static"] (a CUDA graph on the GPU)
+        def _capture(self, B, n_q):
+            cap = super()._capture(B, n_q)
+            fn = cap.fn
+
+            def timed():
+                t = time.perf_counter()
+                try:
+                    return fn()
+                finally:
+                    acc = _STATIC[0]
+                    if acc is not None:
+                        acc["static"] = acc.get("static", 0.0) + time.perf_counter() - t
+
+            cap.fn = timed
+            return cap
+
     decode_graph.graphs_supported = lambda cache: True
-    decode_graph.DecodeGraphs = functools.partial(saved[1], capture=False)
+    decode_graph.DecodeGraphs = functools.partial(Timed, capture=False)
     try:
         yield
     finally:
         decode_graph.graphs_supported, decode_graph.DecodeGraphs = saved
 
 
-_PARTS = (("step", "polykv.pool.agents", "AgentBatch", ("step_tokens", "step_verify", "step_tokens_ahead")),
+_STATIC: list = [None]  # the acc dict of the call being timed (static steps add their seconds)
+
+# step_verify is launch_verify + PendingVerify.result (both timed, never the composite twice)
+_PARTS = (("step", "polykv.pool.agents", "AgentBatch", ("step_tokens", "launch_verify", "step_tokens_ahead")),
           ("step", "polykv.pool.agents", "PendingTokens", ("result",)),  # the pipelined plain loop's read
+          ("step", "polykv.pool.agents", "PendingVerify", ("result",)),  # a verify step's host half
           ("record", "polykv.spec.speculator", "Speculator", ("record",)),
-          ("draft", "polykv.spec.speculator", "Speculator", ("propose_all",)))
+          ("draft", "polykv.spec.speculator", "Speculator", ("propose_all",)),
+          ("ahead", "polykv.spec.speculator", "Speculator", ("ahead",)))  # between launch and result
 
 
 def _wrap_timed(klass, name: str, part: str, acc: dict, saved: list) -> None:
@@ -162,62 +185,116 @@ def _timed_parts(acc: dict):
         for name in names:
             if getattr(klass, name, None) is not None:  # None: a tree before the pipelined plain loop
                 _wrap_timed(klass, name, part, acc, saved)
+    _STATIC[0] = acc
     try:
         yield
     finally:
+        _STATIC[0] = None
         for klass, name, fn in saved:
             setattr(klass, name, fn)
 
 
-_NAMES = ("step", "record", "draft", "loop")
+_NAMES = ("step", "static", "record", "draft", "ahead", "loop")
 
 
 def _part(p: str, wall: float, model: float, info: dict) -> float:
-    """Host seconds of part p in one call; "loop": the host time outside the other three."""
+    """Host seconds of part p in one call. "step": the batch step's host work outside its static
+    step (building and launching it, reading its ids, acceptance, rollback); "static": the static
+    step's own work minus the model (a CUDA graph on the GPU: device time there); "ahead":
+    `Speculator.ahead` (between a verify step's launch and its read: under the device's step on
+    the GPU); "loop": the host time outside the others. (The one prefill forward per call runs
+    eagerly, outside the static steps: its model time, ~us here, lands in "step" and is taken off
+    "static".)"""
     parts = info["parts"]
     if p == "loop":
-        return wall - model - sum(parts.values())
-    return parts.get(p, 0.0) - (model if p == "step" else 0.0)
+        return wall - model - sum(v for k, v in parts.items() if k != "static")
+    if p == "step":
+        return parts.get("step", 0.0) - parts.get("static", 0.0)
+    if p == "static":
+        return parts.get("static", 0.0) - model
+    return parts.get(p, 0.0)
+
+
+def _critical(wall: float, model: float, info: dict) -> float:
+    """Host seconds the device waits for in a speculative loop on the GPU: everything but the static
+    steps (device work there) and `ahead` (overlapped with the step in flight). For the pipelined
+    plain loop this is host work the device does not wait for while it stays below a step's time."""
+    return wall - model - _part("static", wall, model, info) - _part("ahead", wall, model, info)
 
 
 def measure(agents=(8, 32), tokens: int = 64, repeats: int = 3,
-            methods=("prompt_lookup", "suffix_tree")) -> dict:
+            methods=("prompt_lookup", "suffix_tree"), sync: bool = True, seed: int = 0) -> dict:
+    """Per (agents, side) medians over `repeats` timed calls (module doc). sync: each method also
+    runs with `SharedKVPool.spec_overlap` off ("<method> sync": the synchronous loop, each step's
+    outputs added to the tree before the next drafts) in the same rounds, the speculative sides
+    in a shuffled order per round; every speculative call's answers must equal plain's."""
     torch.set_num_threads(1)
     pool, doc, lm, prompts = _setup()
-    sides = [("plain", None)] + [(m, {"method": m, "num_draft_tokens": 4}) for m in methods]
+    sides = [("plain", None, True)]
+    for m in methods:
+        sides.append((m, {"method": m, "num_draft_tokens": 4}, True))
+        if sync:
+            sides.append((m + " sync", {"method": m, "num_draft_tokens": 4}, False))
+    rng = random.Random(seed)
     rows = []
+    saved_overlap = pool.spec_overlap
     with torch.no_grad(), _static_steps():
         for n in agents:
             ps = [list(p) for p in prompts[:n]]
-            res = {name: [] for name, _ in sides}
+            res = {name: [] for name, _, _ in sides}
             for r in range(repeats + 1):  # round 0: warm-up (static steps built)
-                for name, spec in sides:
+                order = sides[1:]
+                rng.shuffle(order)
+                for name, spec, overlap in [sides[0]] + order:
                     pool._docs[doc].outputs = None
+                    pool.spec_overlap = overlap
                     lm.seconds = 0.0
                     parts: dict = {}
-                    with _timed_parts(parts):
-                        t = time.perf_counter()
-                        pool.generate(doc, ps, max_new_tokens=tokens, speculative=spec)
-                        wall = time.perf_counter() - t
+                    try:
+                        with _timed_parts(parts):
+                            t = time.perf_counter()
+                            pool.generate(doc, ps, max_new_tokens=tokens, speculative=spec)
+                            wall = time.perf_counter() - t
+                    finally:
+                        pool.spec_overlap = saved_overlap
                     info = dict(pool.last_generate, parts=parts)
+                    if spec is None:
+                        want = info["answer_ids"]
+                    elif info["answer_ids"] != want:
+                        raise AssertionError(f"{name}: answers differ from plain's")
                     if r:
                         res[name].append((wall, lm.seconds, info))
-            for name, _ in sides:
+            plain = [(w - m) / i["steps"] for w, m, i in res["plain"]]
+            plain_crit = [_critical(w, m, i) / i["steps"] for w, m, i in res["plain"]]
+            for name, _, _ in sides:
                 runs = res[name]
                 info = runs[-1][2]
-                steps = info["steps"]
                 st = info.get("speculative", {})
-                rows.append(dict(agents=n, side=name, steps=steps, new_tokens=sum(info["new_tokens"]),
-                                 host_ms_per_step=statistics.median((w - m) / steps for w, m, _ in runs) * 1e3,
-                                 model_ms_per_step=statistics.median(m / steps for _, m, _ in runs) * 1e3,
+                host = [(w - m) / i["steps"] for w, m, i in runs]
+                crit = [_critical(w, m, i) / i["steps"] for w, m, i in runs]
+                rows.append(dict(agents=n, side=name, steps=statistics.median(i["steps"] for _, _, i in runs),
+                                 new_tokens=sum(info["new_tokens"]),
+                                 host_ms_per_step=statistics.median(host) * 1e3,
+                                 critical_ms_per_step=statistics.median(crit) * 1e3,
+                                 x_plain=statistics.median(h / p for h, p in zip(host, plain)),
+                                 critical_x_plain=statistics.median(c / p for c, p in zip(crit, plain_crit)),
+                                 model_ms_per_step=statistics.median(m / i["steps"] for _, m, i in runs) * 1e3,
                                  ms_per_token=statistics.median((w - m) / sum(i["new_tokens"]) for w, m, i in runs) * 1e3,
-                                 parts_ms_per_step={p: statistics.median(_part(p, w, m, i) / steps for w, m, i in runs) * 1e3
+                                 parts_ms_per_step={p: statistics.median(_part(p, w, m, i) / i["steps"] for w, m, i in runs) * 1e3
                                                     for p in _NAMES},
                                  tokens_per_step=round(st.get("tokens_per_step", 1.0), 3),
                                  acceptance=round(st.get("acceptance", 0.0), 3),
+                                 full_accepts=st.get("full_accepts", 0), agent_steps=st.get("agent_steps", 0),
                                  graph_captures=sum(i["graph_captures"] for _, _, i in runs)))
+            for row in rows[-len(sides):]:  # overlap over sync, round by round (same round's calls)
+                other = res.get(row["side"] + " sync")
+                if other:
+                    mine = res[row["side"]]
+                    row["critical_over_sync"] = statistics.median(
+                        (_critical(wa, ma, ia) / ia["steps"]) / (_critical(wb, mb, ib) / ib["steps"])
+                        for (wa, ma, ia), (wb, mb, ib) in zip(mine, other))
     return dict(rows=rows, tokens=tokens, repeats=repeats, torch_threads=torch.get_num_threads(),
-                date=time.strftime("%Y-%m-%d"))
+                date=time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()))
 
 
 def load_spec(ref: str):
@@ -358,6 +435,7 @@ def main(argv=None) -> None:
     ap.add_argument("--json", default=None)
     ap.add_argument("--baseline", default=None, help="git ref: before / after in one process (module doc)")
     ap.add_argument("--rounds", type=int, default=20)
+    ap.add_argument("--no-sync", action="store_true", help="leave out the synchronous-loop sides")
     a = ap.parse_args(argv)
     if a.baseline:
         out = compare(a.baseline, tuple(int(x) for x in a.agents.split(",")), a.tokens, a.rounds)
@@ -371,12 +449,14 @@ def main(argv=None) -> None:
             with open(a.json, "w") as f:
                 json.dump(out, f, indent=1)
         return
-    out = measure(tuple(int(x) for x in a.agents.split(",")), a.tokens, a.repeats)
+    out = measure(tuple(int(x) for x in a.agents.split(",")), a.tokens, a.repeats, sync=not a.no_sync)
     for r in out["rows"]:
-        print(f"agents {r['agents']:3d} {r['side']:13s} host {r['host_ms_per_step']:6.2f} ms/step "
-              f"(model {r['model_ms_per_step']:.2f}), {r['steps']:3d} steps, {r['tokens_per_step']:.2f} tok/verify, "
-              f"acc {r['acceptance']:.2f}, host {r['ms_per_token']:.3f} ms/token, captures {r['graph_captures']}; "
-              + ", ".join(f"{p} {v:.2f}" for p, v in r["parts_ms_per_step"].items()),
+        print(f"agents {r['agents']:3d} {r['side']:18s} host {r['host_ms_per_step']:6.3f} ms/step "
+              f"(x plain {r['x_plain']:.2f}), critical {r['critical_ms_per_step']:6.3f} (x plain {r['critical_x_plain']:.2f}"
+              + (f", / sync {r['critical_over_sync']:.3f}" if "critical_over_sync" in r else "")
+              + f"), model {r['model_ms_per_step']:.2f}, {r['steps']:4.1f} steps, {r['tokens_per_step']:.2f} tok/verify, "
+              f"acc {r['acceptance']:.2f}, full {r['full_accepts']}/{r['agent_steps']}, captures {r['graph_captures']}; "
+              + ", ".join(f"{p} {v:.3f}" for p, v in r["parts_ms_per_step"].items()),
               file=sys.stderr)
     if a.json:
         with open(a.json, "w") as f:

@@ -120,6 +120,7 @@ class AgentBatch:
         # the feedback row: int64 [slots] on the device, the id step_tokens_ahead chose for each slot
         self._fb = torch.zeros(self.cache.batch_capacity, dtype=torch.long, device=pool.device)
         self._ahead: list[PendingTokens] = []  # step_tokens_ahead results not read yet
+        self._verifying: PendingVerify | None = None  # launch_verify's step until its result()
 
     @property
     def graph_captures(self) -> int:
@@ -187,6 +188,8 @@ class AgentBatch:
     def feed(self, tokens: dict[int, int], drafts: dict[int, list[int]] | None = None) -> None:
         """Queue one token per agent ({aid: token_id}) for the next step; drafts: as `feed_drafts`
         after them (the speculative loop's one call per step)."""
+        if self._verifying is not None:
+            self._check_idle()
         agents = self._agents
         for aid, t in tokens.items():
             t = int(t)
@@ -202,6 +205,8 @@ class AgentBatch:
     def feed_drafts(self, drafts: dict[int, list[int]]) -> None:
         """Queue draft tokens ({aid: [d1, ...]}) after each agent's pending token(s), to be verified
         by the next `step_verify` (an agent needs a pending token first: its last chosen one)."""
+        if self._verifying is not None:
+            self._check_idle()
         agents = self._agents
         for aid, ds in drafts.items():
             a = agents.get(aid)
@@ -215,6 +220,8 @@ class AgentBatch:
 
     def remove(self, aid: int) -> None:
         """Drop an agent and free its suffix slot."""
+        if self._verifying is not None:
+            self._check_idle()
         a = self._agents.pop(aid)
         last = len(self._slots) - 1
         if a.slot != last:
@@ -272,6 +279,8 @@ class AgentBatch:
         own parameters and seeds (`SamplingRows.choose`: one vectorised draw per forward); the others
         greedily. Returns {aid: token id} for the agents that had pending tokens. Drafts
         (`feed_drafts`) need `step_verify`."""
+        if self._verifying is not None:
+            self._check_idle()
         if any(a.drafts for a in self._agents.values()):
             raise RuntimeError("agents have drafts pending: use step_verify()")
         return self._choose(self._run_pending())
@@ -287,6 +296,8 @@ class AgentBatch:
         take its token (EOS, a stop string, enough tokens) has been fed anyway: `remove` it (the
         next step's token for it is wasted; its rows go with its slot). On CPU the same code runs
         (the copy is immediate): tokens equal `step_tokens` + `feed` of those tokens."""
+        if self._verifying is not None:
+            self._check_idle()
         if any(a.drafts for a in self._agents.values()):
             raise RuntimeError("agents have drafts pending: use step_verify()")
         chosen = self._chosen(self._run_pending())
@@ -357,8 +368,21 @@ class AgentBatch:
         that had pending tokens: [next token] for an agent without drafts (as `step_tokens`), the
         accepted drafts + the token after them for one with drafts (module doc); the rows of its
         rejected drafts are rolled back and its sampling counter advances by the emitted count. One
-        device-to-host copy of the chosen ids per forward."""
+        device-to-host copy of the chosen ids per call. `launch_verify().result()`."""
+        return self.launch_verify().result()
+
+    @torch.no_grad()
+    def launch_verify(self) -> "PendingVerify":
+        """`step_verify` in two halves: launch the step (the forwards, the token choice on the
+        device, one non-blocking copy of the chosen ids to pinned host memory and a CUDA event)
+        and return at once; `PendingVerify.result()` waits for that copy and does the host half
+        (acceptance, rollback, the agents' token lists). Between the two the host may work while
+        the device runs the step — `SharedKVPool.generate` adds the outputs tree's logged tokens
+        there — but must not touch the batch (feed, remove, another step: refused until
+        `result()`). On CPU the step has run when this returns. A step where an agent samples
+        (`set_sampling`) with drafts chooses its tokens here (`_verify_drawn`, one blocking copy)."""
         self._check_open()
+        self._check_idle()
         # one forward for the drafting agents and the plain decoders (one pending token) beside
         # them: a second forward would cost the whole weight read and prefix pass again
         agents = self._agents.values()
@@ -367,41 +391,24 @@ class AgentBatch:
         for a in agents:
             if a.pending:
                 (verifiers if a.drafts or (drafting and len(a.pending) == 1) else plain).append(a)
-        out = {aid: [t] for aid, t in self._choose(self._run_pending(plain)).items()} if plain else {}
-        if not verifiers:
-            return out
-        verifiers.sort(key=_slot)
-        keep = max(map(_drafts, verifiers)) + 1
-        logits, greedy = self._forward(verifiers, keep=keep)  # [G, keep, vocab], [G, keep] or None
-        drawn = [a.sampling is not None and a.sampling[0] for a in verifiers]
-        if any(drawn):
-            chosen = self._verify_drawn(verifiers, drawn, logits, keep)
-        else:  # greedy: every column's argmax (the step's own when captured), one copy
-            chosen = _to_host(greedy if greedy is not None else greedy_ids(logits))
-        cut_slots, cuts = [], []
-        for a, mine in zip(verifiers, chosen):
-            d = a.drafts
-            pending = a.pending
-            if d:
-                # agent g's columns: keep - d - 1 .. keep - 1 (its pending token, its drafts)
-                mine = mine[keep - d - 1:]
-                base = len(pending) - d
-                m = 0
-                while m < d and pending[base + m] == mine[m]:
-                    m += 1
-                out[a.aid] = pending[base: base + m] + [mine[m]]
-                if m < d:  # rejected drafts: their rows rolled back below
-                    del pending[base + m:]
-                    cut_slots.append(a.slot)
-                    cuts.append(d - m)
-            else:
-                out[a.aid] = [mine[-1]]
-            a.tokens += pending
-            a.pending, a.drafts, a.logits = [], 0, None
-        if cuts:  # rejected rows rolled back, all agents at once
-            self.cache.rollback(cut_slots, cuts)
-        self.peak_bytes = max(self.peak_bytes, self.cache.nbytes())
-        return out
+        plain_agents, ids = [], []
+        if plain:  # prompt prefills (and every decoder when nobody drafts): ids on the device
+            for group, gids in self._chosen(self._run_pending(plain)):
+                plain_agents += group
+                ids.append(gids)
+        keep, rows = 0, None
+        if verifiers:
+            verifiers.sort(key=_slot)
+            keep = max(map(_drafts, verifiers)) + 1
+            logits, greedy = self._forward(verifiers, keep=keep)  # [G, keep, vocab], [G, keep] or None
+            drawn = [a.sampling is not None and a.sampling[0] for a in verifiers]
+            if any(drawn):
+                rows = self._verify_drawn(verifiers, drawn, logits, keep)
+            else:  # greedy: every column's argmax (the step's own when captured), one copy
+                ids.append(greedy if greedy is not None else greedy_ids(logits))
+        pending = PendingVerify(self, plain_agents, verifiers, keep, rows, _copy_to_host(ids))
+        self._verifying = pending
+        return pending
 
     def _verify_drawn(self, verifiers: list[_Agent], drawn: list[bool], logits: torch.Tensor, keep: int) -> list[list[int]]:
         """step_verify's token choice when some agent samples: per agent its chosen ids of its own
@@ -444,6 +451,8 @@ class AgentBatch:
         together, prompt prefills together. Returns [(agents, logits [G, vocab] on the device, greedy
         ids [G] or None)]."""
         self._check_open()
+        if self._verifying is not None:
+            self._check_idle()
         todo = [a for a in (self._agents.values() if agents is None else agents) if a.pending]
         done = []
         for group in ([a for a in todo if len(a.pending) == 1], [a for a in todo if len(a.pending) > 1]):
@@ -512,6 +521,7 @@ class AgentBatch:
         self._agents.clear()
         self._slots.clear()
         self._ahead.clear()
+        self._verifying = None
         graphs = self._graphs if self._graphs is self._own_graphs else None
         parked = None if self._failed else Parked(self.cache, graphs, self.backend, self.graphs, self.doc_id)
         self.cache = None
@@ -541,6 +551,10 @@ class AgentBatch:
     def _check_open(self) -> None:
         if self._closed:
             raise RuntimeError("this AgentBatch is closed")
+
+    def _check_idle(self) -> None:
+        if self._verifying is not None:
+            raise RuntimeError("a launch_verify() step is in flight: read its result() first")
 
 
 class PendingTokens:
@@ -584,6 +598,89 @@ class PendingTokens:
             if self in self._batch._ahead:
                 self._batch._ahead.remove(self)
         return self._out
+
+
+class PendingVerify:
+    """One `AgentBatch.launch_verify` step on its way to the host: the chosen ids of its plain
+    agents (one int64 [G] per forward) and of its verifiers' columns (int64 [G, keep]) in host
+    buffers — pinned, filled by non-blocking copies, with one CUDA event after them (None on CPU,
+    where they are filled at once) — or, when an agent samples, the verifiers' rows already on the
+    host. `result()` waits for that event only and does the step's host half: each verifier's
+    drafts compared with its own columns (the first mismatch ends the accepted run; the token
+    chosen there is emitted after it), the rejected rows rolled back (all slots in one
+    `AgentCache.rollback`), the agents' token lists."""
+
+    def __init__(self, batch: AgentBatch, plain: list[_Agent], verifiers: list[_Agent], keep: int,
+                 rows: list[list[int]] | None, copied: tuple[list[torch.Tensor], object]):
+        self._batch, self._plain, self._verifiers, self._keep, self._rows = batch, plain, verifiers, keep, rows
+        self._hosts, self._event = copied
+        self._out: dict[int, list[int]] | None = None
+
+    def ready(self) -> bool:
+        """True when `result()` would not wait for the device."""
+        return self._out is not None or self._event is None or self._event.query()
+
+    def result(self) -> dict[int, list[int]]:
+        """{aid: emitted ids} (`AgentBatch.step_verify`'s return), computed once."""
+        if self._out is not None:
+            return self._out
+        batch = self._batch
+        batch._check_open()
+        if self._event is not None:
+            self._event.synchronize()
+        hosts, verifiers = self._hosts, self._verifiers
+        out: dict[int, list[int]] = {}
+        if self._plain:
+            flat = []
+            for h in (hosts[:-1] if verifiers and self._rows is None else hosts):
+                flat += h.tolist()
+            for a, t in zip(self._plain, flat):
+                out[a.aid] = [t]
+        if verifiers:
+            keep = self._keep
+            chosen = self._rows if self._rows is not None else hosts[-1].tolist()
+            cut_slots, cuts = [], []
+            for a, mine in zip(verifiers, chosen):
+                d = a.drafts
+                pending = a.pending
+                if d:
+                    # agent g's columns: keep - d - 1 .. keep - 1 (its pending token, its drafts)
+                    mine = mine[keep - d - 1:]
+                    base = len(pending) - d
+                    m = 0
+                    while m < d and pending[base + m] == mine[m]:
+                        m += 1
+                    out[a.aid] = pending[base: base + m] + [mine[m]]
+                    if m < d:  # rejected drafts: their rows rolled back below
+                        del pending[base + m:]
+                        cut_slots.append(a.slot)
+                        cuts.append(d - m)
+                else:
+                    out[a.aid] = [mine[-1]]
+                a.tokens += pending
+                a.pending, a.drafts, a.logits = [], 0, None
+            if cuts:  # rejected rows rolled back, all agents at once
+                batch.cache.rollback(cut_slots, cuts)
+        batch.peak_bytes = max(batch.peak_bytes, batch.cache.nbytes())
+        batch._verifying = None
+        self._out = out
+        return out
+
+
+def _copy_to_host(ids: list[torch.Tensor]) -> tuple[list[torch.Tensor], object]:
+    """Host copies of device id tensors: on CUDA pinned buffers filled by non-blocking copies and
+    one event recorded after them (read once it has passed); elsewhere plain copies made now (a
+    static step's outputs are rewritten by the next step)."""
+    if not ids or ids[0].device.type != "cuda":
+        return [t.clone() for t in ids], None
+    hosts = []
+    for t in ids:
+        h = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
+        h.copy_(t, non_blocking=True)
+        hosts.append(h)
+    event = torch.cuda.Event()
+    event.record()
+    return hosts, event
 
 
 @dataclass

@@ -142,6 +142,13 @@ class SharedKVPool:
     bucket and width — not KV, and not counted, as for open batches). Four covers the documents a
     server alternates between without holding idle graph memory for every document ever used."""
 
+    spec_overlap = True
+    """`generate` with speculation overlaps host work with the device's verify step: the step is
+    launched (`AgentBatch.launch_verify`), the outputs tree adds the tokens logged so far
+    (`Speculator.ahead`) while it runs, then its ids are read. The tree is then read one step late
+    (drafts for step t+1 see the outputs of steps <= t-1; docs/speculative.md). False: the
+    synchronous order (each step's outputs added before the next drafts), for comparison."""
+
     def __init__(self, model, tok, k: str | None = None, v: str | None = None, device=None,
                  budget_bytes: int | None = None, innerq=None, prefill_chunk: int | None = None,
                  progress: bool | None = None, preset: str | None = None,
@@ -680,9 +687,10 @@ class SharedKVPool:
             return []
         spec = None
         times = self._step_times(doc)  # this document's measured step times, across calls
+        overlap = spec_cfg is not None and bool(self.spec_overlap)
         if spec_cfg is not None:
             index, tree = self.spec_sources(doc)
-            spec = Speculator(index, tree, self.device.type, times=times)
+            spec = Speculator(index, tree, self.device.type, times=times, overlap=overlap)
         extra = spec_cfg.num_draft_tokens if spec_cfg is not None else 0
         with self.open_batch(doc, capacity=len(suffixes)) as batch:
             # pages each agent needs (+ room for the drafts of its last step)
@@ -708,6 +716,10 @@ class SharedKVPool:
                 width = max(drafted.values(), default=0)
                 if spec is None:
                     chosen = {a: [t] for a, t in batch.step_tokens().items()}
+                elif overlap:
+                    pending = batch.launch_verify()  # on CUDA: returns while the device runs the step
+                    spec.ahead()  # host work independent of the step's ids: the outputs tree's adds
+                    chosen = pending.result()  # waits for the ids; acceptance, rollback
                 else:
                     chosen = batch.step_verify()
                 step_s.append((width, time.perf_counter() - t_step))  # each step ends in a copy to the host

@@ -435,12 +435,15 @@ class SuffixTree:
                 return None
         return node
 
-    def propose(self, context_ids: list[int], k: int, handle: list | None = None) -> list[int]:
+    def propose(self, context_ids: list[int], k: int, handle: list | None = None, flush: bool = True) -> list[int]:
         """handle: the sequence `context_ids` ends with (its `start` handle, every token of it
         extended, as `Speculator` keeps them): its live suffixes ARE the nodes of the context's
         tails up to their length, so those tails are not walked from the root again (the drafts
-        are the same; the walks were ~1/4 of a suffix-tree proposal)."""
-        self.flush()
+        are the same; the walks were ~1/4 of a suffix-tree proposal). flush=False: read the tree
+        as it is, the logged tokens not added (a lagged read: `Speculator.ahead` adds them while
+        the device runs a step); pass no handle then — its live suffixes lag the context."""
+        if flush:
+            self.flush()
         ctx = context_ids
         total, best, tok, count = self._total, self._best, self._tok, self._count
         live = handle[1] if handle is not None and handle[0] == self.generation else ()

@@ -6,6 +6,7 @@
     spec.add(key, prompt_ids, cfg)            # an agent and its suffix prompt
     spec.record(key, emitted, drafted)        # after a step: acceptance, contexts, outputs tree
     spec.observe_step(width, seconds, agents) # a timed decode step (no prefill, no graph capture)
+    spec.ahead()                              # overlap mode: while the device runs a step
     drafts = spec.propose_all({key: limit})   # every agent's guesses for the next step, one width
     drafts = spec.propose(key, limit)         # one agent's guesses, its own AdaptiveLength
     spec.stats()                              # {steps, drafted, accepted, tokens, ...}
@@ -17,6 +18,17 @@ num_draft_tokens for every agent, then the batch's `WidthPlanner` picks one widt
 the measured step times and every agent's acceptance and cuts every draft to it (a step costs its
 widest agent); `propose` (the engine) lets each agent's `AdaptiveLength` decide alone. With
 `adaptive` false: always num_draft_tokens.
+
+Overlap (`overlap=True`, what `SharedKVPool.generate` uses): the loop calls `ahead()` between
+launching a verify step and reading its ids, and `ahead` adds the outputs tree's logged tokens
+(the outputs of every step read so far) — the largest host cost of a suffix-tree step, ~0.2 ms at
+32 agents on the 2-core CPU — while the device computes. `propose_all` then reads the tree without
+adding what was logged since (`SuffixTree.propose(flush=False)`, the context's tails walked from
+the root): drafts for step t+1 see the outputs of steps <= t-1 (every agent's, its own included),
+the context itself up to step t. Drafts only change what is proposed, never what is emitted:
+greedy stays exact and sampling keeps its rule. Prompt lookup reads no tree: its drafts are the
+same in both modes. Drafting itself cannot run ahead: every draft continues the token the step in
+flight emits (docs/speculative.md, "Overlap").
 """
 
 from __future__ import annotations
@@ -91,8 +103,9 @@ class Speculator:
     None: prompt lookup then matches the agent's own tokens only; no tree is updated)."""
 
     def __init__(self, index: NgramIndex | None = None, tree: SuffixTree | None = None, device_type: str = "cpu",
-                 times: StepTimes | None = None):
+                 times: StepTimes | None = None, overlap: bool = False):
         self.index, self.tree, self.device_type = index, tree, device_type
+        self.overlap = bool(overlap)  # the tree read one step late, its adds in `ahead` (module doc)
         self._agents: dict = {}
         self.prior = DEFAULT_COST_PER_DRAFT.get(device_type, DEFAULT_COST_PER_DRAFT["cpu"])
         self.step_cost = StepCost(self.prior)  # measured from `observe_step`; agents without a set cost use it
@@ -100,6 +113,8 @@ class Speculator:
         self.planner: WidthPlanner | None = None  # created by the first adaptive agent
         self.widths: Counter = Counter()  # widths `propose_all` chose, per step
         self.steps = self.drafted = self.accepted = self.tokens = self.agent_steps = 0
+        self.full_accepts = 0  # (agent, verify step) pairs whose every draft was accepted
+        self._tree_readers = 0  # agents drafting from the tree: `ahead` adds its log only for them
 
     def add(self, key, prompt_ids: list[int], config: SpecConfig) -> None:
         lookup = PromptLookup(self.index, config.max_ngram, config.min_ngram)
@@ -107,6 +122,7 @@ class Speculator:
             drafter = lookup
         elif config.method == "suffix_tree":
             drafter = SuffixTreeDrafter(self.tree if self.tree is not None else SuffixTree(), lookup)
+            self._tree_readers += 1
         else:
             dm = config.draft_model
             drafter = dm if isinstance(dm, DraftModel) else DraftModel(dm, list(self.index.ids) if self.index else [])
@@ -162,6 +178,7 @@ class Speculator:
         out = {}
         adaptive, wants, fixed_w = [], [], 0  # one pass over the agents: drafts, then what the planner needs
         get, draft, tree = self._agents.get, self._draft, self.tree if self.tree is not None else False
+        lagged = self.overlap  # read the tree as `ahead` left it: tails walked, no handle
         for key, limit in limits.items():
             st = get(key)
             if st is None:
@@ -177,7 +194,7 @@ class Speculator:
             elif kind is PromptLookup:  # `_draft`'s first two cases, without its call
                 d = out[key] = drafter.propose(st.context, k)
             elif kind is SuffixTreeDrafter and drafter.tree is tree:  # SuffixTreeDrafter.propose, inlined
-                d = tree.propose(st.context, k, st.handle)  # never more than k
+                d = tree.propose(st.context, k, None, False) if lagged else tree.propose(st.context, k, st.handle)
                 if not d and drafter.fallback is not None:
                     d = drafter.fallback.propose(st.context, k)[:k]
                 out[key] = d
@@ -219,6 +236,8 @@ class Speculator:
                 length.update(drafted, acc)
             self.drafted += drafted
             self.accepted += acc
+            if acc == drafted:
+                self.full_accepts += 1
             self.tokens += len(emitted)
             self.agent_steps += 1
 
@@ -230,6 +249,15 @@ class Speculator:
         self.times.observe(agents if agents is not None else max(1, len(self._agents)), width, seconds)
         self.step_cost.observe(width, seconds)  # its agents read the fit when they next need it
 
+    def ahead(self) -> None:
+        """Host work that needs no token of the step in flight (overlap mode, module doc): the
+        outputs tree adds every token logged so far. Called between `AgentBatch.launch_verify` and
+        its `result()`. Harmless in the synchronous mode (the next read would add them anyway).
+        Nothing when no agent of this speculator drafts from the tree (prompt lookup only logs its
+        outputs, for later suffix-tree requests: `SuffixTree`'s laziness)."""
+        if self._tree_readers and self.tree is not None:
+            self.tree.flush()
+
     def step_done(self, verified: bool) -> None:
         """One batch step ran; `verified`: it had a verify forward."""
         if verified:
@@ -239,16 +267,20 @@ class Speculator:
         st = self._agents.pop(key, None)
         if st is not None and isinstance(st.drafter, DraftModel):
             st.drafter.forget(key)
+        elif st is not None and type(st.drafter) is SuffixTreeDrafter:
+            self._tree_readers -= 1
 
     def stats(self) -> dict:
         """steps: verify forwards; drafted / accepted: draft tokens verified / accepted; tokens:
         tokens emitted by agents in verify forwards; agent_steps: (agent, verify forward) pairs;
-        tokens_per_step = tokens / agent_steps; acceptance = accepted / drafted; cost_per_draft: the
+        tokens_per_step = tokens / agent_steps; acceptance = accepted / drafted; full_accepts: agent
+        steps whose every draft was accepted (the most a draft made ahead, for the outcome "all
+        accepted", could have served); cost_per_draft: the
         draft-column cost the adaptive length used last (`StepCost`), timed_widths: the widths of the
         timed steps it was fitted on; widths: {w: steps} the batch planner chose (`propose_all`;
         0 = plain); step_times_ms: {agent bucket: {width: ms}} the planner's measured T(w)."""
         return dict(steps=self.steps, drafted=self.drafted, accepted=self.accepted, tokens=self.tokens,
-                    agent_steps=self.agent_steps, cost_per_draft=self.step_cost.cost_per_draft,
+                    agent_steps=self.agent_steps, full_accepts=self.full_accepts, cost_per_draft=self.step_cost.cost_per_draft,
                     timed_widths=sorted({w for w, _ in self.step_cost.obs}),
                     widths=dict(sorted(self.widths.items())),
                     step_times_ms={b: {w: t * 1e3 for w, t in ws.items()} for b, ws in self.times.table().items()},

@@ -329,4 +329,6 @@ def test_propose_all_and_record_equal_the_per_agent_calls(data, method, k, vocab
             x, y = new._agents[i].length, old._agents[i].length
             assert (x.acc, x.rej, x.wait, x.probe, x.planned) == (y.acc, y.rej, y.wait, y.probe, y.planned)
             assert new._agents[i].context == old._agents[i].context
-    assert new.stats() == old.stats()
+    got, want = new.stats(), old.stats()
+    got.pop("full_accepts"), want.pop("full_accepts")  # counted by record only (the old one never)
+    assert got == want
