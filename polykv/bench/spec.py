@@ -31,6 +31,14 @@ The document's outputs tree (`suffix_tree`) is emptied before every run.
 `identical` in default numerics compares two different forward shapes (docs/speculative.md: plain
 decoding itself changes answers with the batch size); `row_invariant=True` runs both sides with
 row-invariant linears (`polykv.spec.invariant`), where identity is the test.
+`sync=True` also times the speculative side with `SharedKVPool.spec_overlap` off (the synchronous
+loop: no host work while a verify step runs, the outputs tree read up to date) in the same repeats:
+tok_s_sync, speedup_sync, steps_sync, tokens_per_step_sync, identical_sync, step_ms_sync.
+ms_per_step(_baseline, _sync): wall ms per batch step (seconds / steps); full_accepts / agent_steps:
+agent verify steps whose every draft was accepted, of all (`Speculator.stats`).
+
+Without typer (the GPU machine): `python -m polykv.bench.spec --device cuda --model M.gguf --agents
+8,32 --methods prompt_lookup,suffix_tree --sync --out FILE.json` (`main`: the CLI's options).
 """
 
 from __future__ import annotations
@@ -88,7 +96,7 @@ def _median(xs):
 def bench_spec(model, tok, agents=(4,), workloads=("quoting", "freeform"), methods=("prompt_lookup",),
                num_draft_tokens: int = 4, max_new_tokens: int = 64, repeats: int = 1, k: str = "q8_0",
                v: str = "turbo3", adaptive: bool = True, document: str | None = None, unwrap: bool = True,
-               row_invariant: bool = False, log=lambda m: None) -> dict:
+               row_invariant: bool = False, log=lambda m: None, sync: bool = False) -> dict:
     import contextlib
     import re
 
@@ -101,12 +109,12 @@ def bench_spec(model, tok, agents=(4,), workloads=("quoting", "freeform"), metho
         text = re.sub(r"(?<=\S)\n(?=\S)", " ", text)
     with (_row_invariant(model) if row_invariant else contextlib.nullcontext()):
         out = _bench(model, tok, text, agents, workloads, methods, num_draft_tokens, max_new_tokens, repeats,
-                     k, v, adaptive, log)
-    return dict(out, unwrap=unwrap, row_invariant=row_invariant)
+                     k, v, adaptive, log, sync)
+    return dict(out, unwrap=unwrap, row_invariant=row_invariant, sync=sync)
 
 
 def _bench(model, tok, text, agents, workloads, methods, num_draft_tokens, max_new_tokens, repeats, k, v,
-           adaptive, log) -> dict:
+           adaptive, log, sync=False) -> dict:
     from ..pool import SharedKVPool
 
     dev = next(model.parameters()).device
@@ -116,14 +124,18 @@ def _bench(model, tok, text, agents, workloads, methods, num_draft_tokens, max_n
     prefill_s = time.perf_counter() - t0
     rows, mismatches = [], []
 
-    def timed(prompts, spec):
+    def timed(prompts, spec, overlap=True):
         # the outputs tree starts empty for every run: it would otherwise hold the very answers of
         # the previous runs of the same prompts (here they repeat; a deployment sees new questions)
         pool._docs[doc].outputs = None
+        pool.spec_overlap = overlap
         if dev.type == "cuda":
             torch.cuda.synchronize()
         t = time.perf_counter()
-        pool.generate(doc, prompts, max_new_tokens=max_new_tokens, speculative=spec)
+        try:
+            pool.generate(doc, prompts, max_new_tokens=max_new_tokens, speculative=spec)
+        finally:
+            pool.spec_overlap = True
         if dev.type == "cuda":
             torch.cuda.synchronize()
         info = pool.last_generate
@@ -138,7 +150,7 @@ def _bench(model, tok, text, agents, workloads, methods, num_draft_tokens, max_n
                 # warm-up of both paths at this batch size: Triton compiles and the graph captures
                 # of its buckets and widths (kept by the pool for the later calls)
                 warm = [timed(prompts, None)[1]["graph_captures"], timed(prompts, spec)[1]["graph_captures"]]
-                base_s, spec_s, caps = [], [], [0, 0]
+                base_s, spec_s, sync_s, caps = [], [], [], [0, 0, 0]
                 for _ in range(repeats):
                     s, base = timed(prompts, None)
                     base_s.append(s)
@@ -146,6 +158,10 @@ def _bench(model, tok, text, agents, workloads, methods, num_draft_tokens, max_n
                     s, sp = timed(prompts, spec)
                     spec_s.append(s)
                     caps[1] += sp["graph_captures"]
+                    if sync:
+                        s, sy = timed(prompts, spec, overlap=False)
+                        sync_s.append(s)
+                        caps[2] += sy["graph_captures"]
                 new = sum(base["new_tokens"])
                 same = base["answer_ids"] == sp["answer_ids"]
                 if not same:
@@ -163,12 +179,26 @@ def _bench(model, tok, text, agents, workloads, methods, num_draft_tokens, max_n
                            step_ms=sp["step_ms"]["by_width"], step_ms_baseline=base["step_ms"]["by_width"],
                            graph_captures=caps[1], graph_captures_baseline=caps[0],
                            graph_captures_warmup=warm[1], graph_captures_warmup_baseline=warm[0],
-                           widths=st.get("widths", {}))
+                           widths=st.get("widths", {}), full_accepts=st.get("full_accepts", 0),
+                           agent_steps=st.get("agent_steps", 0),
+                           ms_per_step=_median(spec_s) / sp["steps"] * 1e3,
+                           ms_per_step_baseline=_median(base_s) / base["steps"] * 1e3)
                 row["speedup"] = row["tok_s"] / row["tok_s_baseline"] if row["tok_s_baseline"] else 0.0
+                if sync:
+                    sst = sy["speculative"]
+                    row.update(tok_s_sync=new / _median(sync_s), steps_sync=sy["steps"],
+                               tokens_per_step_sync=round(sst["tokens_per_step"], 3),
+                               acceptance_sync=round(sst["acceptance"], 3),
+                               identical_sync=base["answer_ids"] == sy["answer_ids"],
+                               seconds_sync=_median(sync_s), step_ms_sync=sy["step_ms"]["by_width"],
+                               ms_per_step_sync=_median(sync_s) / sy["steps"] * 1e3, graph_captures_sync=caps[2],
+                               widths_sync=sst.get("widths", {}))
+                    row["speedup_sync"] = row["tok_s_sync"] / row["tok_s_baseline"] if row["tok_s_baseline"] else 0.0
                 rows.append(row)
                 log(f"{wl:9s} {method:13s} agents {n:3d}: {row['tok_s']:.1f} vs {row['tok_s_baseline']:.1f} tok/s "
                     f"(x{row['speedup']:.2f}), {row['tokens_per_step']:.2f} tokens/verify step, "
-                    f"acceptance {row['acceptance']:.2f}, identical {same}")
+                    f"acceptance {row['acceptance']:.2f}, identical {same}"
+                    + (f"; sync {row['tok_s_sync']:.1f} tok/s (x{row['speedup_sync']:.2f})" if sync else ""))
     return dict(rows=rows, mismatches=mismatches, device=str(dev), machine=_machine(dev),
                 model=getattr(model.config, "_name_or_path", "") or model.config.model_type,
                 doc_tokens=len(pool._docs[doc].ids), max_new_tokens=max_new_tokens, repeats=repeats,
@@ -186,3 +216,50 @@ def _machine(dev) -> str:
 
 TABLE_COLUMNS = ["workload", "method", "agents", "tokens_per_step", "acceptance", "tok_s", "tok_s_baseline",
                  "speedup", "identical"]
+
+
+def main(argv=None) -> None:
+    """`polykv bench spec` without typer (the GPU machine has none): the CLI's options, plus --sync."""
+    import argparse
+    import json
+    import pathlib
+    import sys
+
+    from ..hf.loading import load_model
+
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--agents", default="4")
+    ap.add_argument("--workloads", default="quoting,freeform")
+    ap.add_argument("--methods", default="prompt_lookup")
+    ap.add_argument("--num-draft-tokens", type=int, default=4)
+    ap.add_argument("--max-new-tokens", type=int, default=64)
+    ap.add_argument("--repeats", type=int, default=1)
+    ap.add_argument("--fixed", action="store_true")
+    ap.add_argument("--keep-wraps", action="store_true")
+    ap.add_argument("--row-invariant", action="store_true")
+    ap.add_argument("--model", default=None)
+    ap.add_argument("--device", default=None)
+    ap.add_argument("--k", default="q8_0")
+    ap.add_argument("--v", default="turbo3")
+    ap.add_argument("--sync", action="store_true", help="also time the synchronous speculative loop")
+    ap.add_argument("--out", default=None)
+    a = ap.parse_args(argv)
+    if a.device == "cuda" or (a.device is None and torch.cuda.is_available()):
+        torch.backends.cuda.enable_cudnn_sdp(False)  # the baseline as the earlier GPU runs had it
+    dev = a.device or ("cuda" if torch.cuda.is_available() else "cpu")
+    m, tok = load_model(a.model, device=dev)
+    res = bench_spec(m, tok, agents=tuple(int(x) for x in a.agents.split(",") if x),
+                     workloads=tuple(w for w in a.workloads.split(",") if w),
+                     methods=tuple(x for x in a.methods.split(",") if x), num_draft_tokens=a.num_draft_tokens,
+                     max_new_tokens=a.max_new_tokens, repeats=a.repeats, k=a.k, v=a.v, adaptive=not a.fixed,
+                     unwrap=not a.keep_wraps, row_invariant=a.row_invariant, sync=a.sync,
+                     log=lambda s: print(s, file=sys.stderr, flush=True))
+    text = json.dumps(res, indent=1, default=str) + "\n"
+    if a.out:
+        pathlib.Path(a.out).parent.mkdir(parents=True, exist_ok=True)
+        pathlib.Path(a.out).write_text(text)
+    print(text)
+
+
+if __name__ == "__main__":
+    main()

@@ -37,3 +37,20 @@ def test_demo_speculative_json(tiny_dir):  # noqa: F811
                     "--speculative", "prompt_lookup:3"])
     assert obj["agents"] == 2 and len(obj["answers"]) == 2
     assert {"steps", "drafted", "accepted", "tokens"} <= set(obj["speculative"])
+
+
+def test_bench_spec_main_without_typer_times_the_sync_loop(tiny_dir, tmp_path, capsys):  # noqa: F811
+    """`python -m polykv.bench.spec` (the GPU machine has no typer): the CLI's options plus --sync,
+    which times the synchronous speculative loop in the same repeats (row fields *_sync)."""
+    from polykv.bench.spec import main
+
+    out = tmp_path / "d" / "spec.json"
+    main(["--device", "cpu", "--model", tiny_dir, "--agents", "2", "--max-new-tokens", "6", "--workloads", "quoting",
+          "--methods", "suffix_tree", "--row-invariant", "--sync", "--out", str(out)])
+    obj = json.loads(out.read_text())
+    assert json.loads(capsys.readouterr().out) == obj
+    (r,) = obj["rows"]
+    assert obj["sync"] is True and r["identical"] is True and r["identical_sync"] is True
+    for key in ("tok_s_sync", "speedup_sync", "ms_per_step", "ms_per_step_sync", "ms_per_step_baseline"):
+        assert finite(r[key]) and r[key] > 0, key
+    assert r["steps_sync"] > 0 and r["graph_captures_sync"] == 0 and 0 <= r["full_accepts"] <= r["agent_steps"]
