@@ -102,15 +102,19 @@ def _fix_interpreter() -> None:
     _FIXED = True
 
 
-def _prep_q(q: torch.Tensor, k_codec, k_innerq, hkv: int) -> torch.Tensor:
+def _prep_q(q: torch.Tensor, k_codec, k_innerq, hkv: int, rec: list | None = None) -> torch.Tensor:
     """q [B, Hq, n_q, D] -> [B, Hkv, group*n_q, D] contiguous in K's storage domain (q / s, rotated
     once when K is turbo: float32, one launch, `triton_decode.prep_q_triton`). Without either it
     stays in q's dtype (a view when q is contiguous): the kernels convert q on load, so a q8_0 / f16
     K costs no preparation launch. Triton paths only (callers checked `use_triton`)."""
     B, Hq, n_q, D = q.shape
-    if k_innerq is not None or getattr(k_codec, "rotated", False):
-        return _k()[0].prep_q_triton(q, k_codec, k_innerq, hkv)
+    if _rotates_q(k_codec, k_innerq):
+        return _k()[0].prep_q_triton(q, k_codec, k_innerq, hkv, rec=rec)
     return q.reshape(B, hkv, (Hq // hkv) * n_q, D).contiguous()
+
+
+def _rotates_q(k_codec, k_innerq) -> bool:
+    return k_innerq is not None or getattr(k_codec, "rotated", False)
 
 
 _FULL_LENS: dict = {}
@@ -139,17 +143,34 @@ def attention_decode(q: torch.Tensor, k: Packed, v: Packed, k_codec, v_codec, *,
                                         kv_start=kv_start)
     dec = _k()[0]
     B, Hq, n_q, D = q.shape
-    kc, vc = as_codec(k_codec, D), as_codec(v_codec, D)
     hkv, S = k.codes.shape[1], k.codes.shape[2]
+    lens = (_full_lens(B, S, q.device) if kv_lens is None
+            else kv_lens.to(device=q.device, dtype=torch.int32).contiguous())
+    key = None
+    if dec._plannable(q.device):  # one key for the whole call (issue F: host time per call)
+        tk, ck = dec._tkey, dec._codec_key
+        key = (q.device, tk(q), tk(k.codes), tk(k.scales), tk(v.codes), tk(v.scales),
+               k_codec if isinstance(k_codec, str) else ck(k_codec),
+               v_codec if isinstance(v_codec, str) else ck(v_codec), tk(lens), causal,
+               sm_scale, window, tk(k_innerq), tk(kv_start), tuple(tune.items()) if tune else ())
+        plan = dec._CALLS.get(key)
+        if plan is not None:
+            return plan(q, k, v, lens, k_innerq, kv_start)
+    kc, vc = as_codec(k_codec, D), as_codec(v_codec, D)
     if Hq % hkv:
         raise ValueError(f"Hq={Hq} is not a multiple of Hkv={hkv}")
     sm_scale = 1.0 / math.sqrt(D) if sm_scale is None else float(sm_scale)
-    lens = (_full_lens(B, S, q.device) if kv_lens is None
-            else kv_lens.to(device=q.device, dtype=torch.int32).contiguous())
-    qp = _prep_q(q, kc, k_innerq, hkv)
-    return dec.decode_prepared(qp, n_q, k, v, kc, vc, lens, causal=causal, window=window,
-                               sm_scale=sm_scale, kv_start=kv_start, out_dtype=q.dtype,
-                               out_shape=(B, Hq, n_q, D), **tune)
+    rec = [] if key is not None else None
+    qp = _prep_q(q, kc, k_innerq, hkv, rec)
+    out_shape = (B, Hq, n_q, D)
+    out, lse = dec.decode_prepared(qp, n_q, k, v, kc, vc, lens, causal=causal, window=window,
+                                   sm_scale=sm_scale, kv_start=kv_start, out_dtype=q.dtype,
+                                   out_shape=out_shape, rec=rec, **tune)
+    if key is not None:
+        plan = dec.CallPlan.of(rec, tuple(qp.shape), out_shape, q.dtype, _rotates_q(kc, k_innerq))
+        if plan is not None:
+            dec._remember(key, plan, dec._CALLS)
+    return out, lse
 
 
 #: Prefix chunks that start at multiples of this many rows give `cascade_attention` the values of
@@ -182,19 +203,53 @@ def cascade_attention(q: torch.Tensor, prefix_k: Packed | None, prefix_v: Packed
             prefix_k, prefix_v = (Packed.cat([c[i] for c in parts]) for i in (0, 1))
         return ref.cascade_attention_ref(q, prefix_k, prefix_v, suffix_k, suffix_v, suffix_lens,
                                          k_codec, v_codec, sm_scale=sm_scale, k_innerq=k_innerq)
-    cas = _k()[1]
+    dec, cas = _k()[:2]
     N, Hq, n_q, D = q.shape
-    kc, vc = as_codec(k_codec, D), as_codec(v_codec, D)
     hkv = suffix_k.codes.shape[1]
+    key = None
+    if prefix_chunks is None and prefix_k is not None and dec._plannable(q.device):
+        tk, ck = dec._tkey, dec._codec_key  # one key for the whole call, as attention_decode's
+        key = (q.device, tk(q), tk(prefix_k.codes), tk(prefix_k.scales), tk(prefix_v.codes),
+               tk(prefix_v.scales), tk(suffix_k.codes), tk(suffix_k.scales), tk(suffix_v.codes),
+               tk(suffix_v.scales), tk(suffix_lens), tk(suffix_pages), page_size,
+               k_codec if isinstance(k_codec, str) else ck(k_codec),
+               v_codec if isinstance(v_codec, str) else ck(v_codec), sm_scale, tk(k_innerq),
+               tuple(tune.items()) if tune else ())
+        plan = dec._CALLS.get(("cascade", *key))
+        if plan is not None:
+            return plan(q, prefix_k, prefix_v, suffix_k, suffix_v, suffix_lens, k_innerq,
+                        suffix_pages)
+    kc, vc = as_codec(k_codec, D), as_codec(v_codec, D)
     sm_scale = 1.0 / math.sqrt(D) if sm_scale is None else float(sm_scale)
-    qp = _prep_q(q, kc, k_innerq, hkv)
+    rec = [] if key is not None else None
+    qp = _prep_q(q, kc, k_innerq, hkv, rec)
     tune.setdefault("prefix_max_split", PREFIX_CHUNK_ALIGN)
     out, lse = cas.cascade_prepared(qp, n_q, prefix_k, prefix_v, suffix_k, suffix_v,
                                     suffix_lens.to(device=q.device), kc, vc, sm_scale=sm_scale,
                                     suffix_pages=suffix_pages, page_size=page_size,
                                     prefix_chunks=prefix_chunks, prefix_rows=prefix_rows,
-                                    out_dtype=q.dtype, **tune)
-    return out.reshape(N, Hq, n_q, D), lse.reshape(N, Hq, n_q)
+                                    out_dtype=q.dtype, rec=rec, **tune)
+    out, lse = out.reshape(N, Hq, n_q, D), lse.reshape(N, Hq, n_q)
+    if key is not None and all(p is not None for p in rec):
+        dec._remember(("cascade", *key), _CascadeCall(rec[0] if len(rec) == 2 else None, rec[-1],
+                                                      tuple(qp.shape), (N, Hq, n_q, D)), dec._CALLS)
+    return out, lse
+
+
+class _CascadeCall:
+    """A planned cascade call: the query preparation (turbo K; None: q viewed as rows) and the
+    passes (`triton_cascade.CascadePasses`), one key for the whole call (issue F)."""
+
+    __slots__ = ("prep", "passes", "qp_shape", "out_shape")
+
+    def __init__(self, prep, passes, qp_shape: tuple, out_shape: tuple):
+        self.prep, self.passes, self.qp_shape, self.out_shape = prep, passes, qp_shape, out_shape
+
+    def __call__(self, q, prefix_k, prefix_v, suffix_k, suffix_v, suffix_lens, s, suffix_pages):
+        qp = _k()[0].planned_rows(self.prep, q, s, self.qp_shape)
+        out, lse = self.passes(qp, prefix_k, prefix_v, suffix_k, suffix_v,
+                               suffix_lens.to(device=q.device), suffix_pages)
+        return out.reshape(self.out_shape), lse.reshape(self.out_shape[:-1])
 
 
 def gather_pages(pool: Packed, table: torch.Tensor, page_size: int) -> Packed:

@@ -28,6 +28,7 @@ CPU (tests/kernels/test_gluon_prefix.py) and the GPU suite checks it against ker
 from __future__ import annotations
 
 import functools
+from typing import NamedTuple
 
 import torch
 from triton.experimental import gluon
@@ -298,7 +299,7 @@ def _consumer(O_PART, L_PART, q_smem, k_bufs, v_bufs, ready, empty, q_row0, n_ro
 
 @gluon.jit
 def _ws_prefix_kernel(Q, KC, KS, VC, VS, KV_LENS, O_PART, L_PART,
-                      skh, sks, sksh, skss, svh, svs, svsh, svss,
+                      skh, sks, sksh, skss, svh, svs, svsh, svss, sqn, sqh, sqm, M_AGENT,
                       M_TOTAL, SPLIT_LEN, N_SPLITS, SPLIT0, qk_scale,
                       D: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
                       NBUF: gl.constexpr, KA: gl.constexpr,
@@ -306,8 +307,9 @@ def _ws_prefix_kernel(Q, KC, KS, VC, VS, KV_LENS, O_PART, L_PART,
                       VA4: gl.constexpr, VA5: gl.constexpr, VA6: gl.constexpr, VA7: gl.constexpr,
                       CREG: gl.constexpr, PREFETCH: gl.constexpr, PIPE: gl.constexpr,
                       EVEN: gl.constexpr):
-    """Grid (Hkv, splits of this chunk, row tiles). Q float32 [Hkv, M_TOTAL, D] (rows of all
-    agents, K's domain); KC/KS q8_0 codes / scales and VC/VS turbo3 codes / norms of one chunk
+    """Grid (Hkv, splits of this chunk, row tiles). Q [N, Hkv, M_AGENT, D] (any float dtype, K's
+    domain; element strides sqn, sqh, sqm, last dim contiguous): KV head h's rows of all agents
+    are its M_TOTAL = N * M_AGENT query rows, row n * M_AGENT + m; KC/KS q8_0 codes / scales and VC/VS turbo3 codes / norms of one chunk
     (leading dim 1); KV_LENS int32 [1] the chunk's rows; split j of the launch is global split
     SPLIT0 + j of O_PART float32 [Hkv * M_TOTAL, N_SPLITS, D] / L_PART [Hkv * M_TOTAL, N_SPLITS]."""
     NW: gl.constexpr = gl.num_warps()  # the producer warp group
@@ -324,9 +326,11 @@ def _ws_prefix_kernel(Q, KC, KS, VC, VS, KV_LENS, O_PART, L_PART,
     qc = gl.arange(0, D, layout=gl.SliceLayout(0, QL))
     local = gl.program_id(2) * BLOCK_M + qr
     # q pre-scaled by sm_scale * log2(e): the scores come out of the wgmma in log2 units
-    q = gl.load(Q + gl.expand_dims((q_row0 + qr).to(gl.int64) * D, 1) + gl.expand_dims(qc, 0),
+    q_off = ((local // M_AGENT).to(gl.int64) * sqn + h.to(gl.int64) * sqh
+             + (local % M_AGENT).to(gl.int64) * sqm)
+    q = gl.load(Q + gl.expand_dims(q_off, 1) + gl.expand_dims(qc, 0),
                 mask=gl.expand_dims(local < M_TOTAL, 1), other=0.0)
-    q = (q * qk_scale).to(gl.float16)
+    q = (q.to(gl.float32) * qk_scale).to(gl.float16)
     tile: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16, rank=2)
     q_smem = gl.allocate_shared_memory(gl.float16, [BLOCK_M, D], tile, q)
     k_bufs = gl.allocate_shared_memory(gl.float16, [NBUF, BLOCK_N, D],
@@ -364,16 +368,16 @@ def _ws_prefix_kernel(Q, KC, KS, VC, VS, KV_LENS, O_PART, L_PART,
 
 
 def ws_ok(qp: torch.Tensor, k_codec, v_codec) -> bool:
-    """Whether the warp-specialised prefix pass applies: a Hopper GPU (sm_90), head_dim 128, K
-    q8_0, V turbo3 with one rotation group per row, and more query rows per KV head than the
-    decode-sized phase kernel takes."""
+    """Whether the warp-specialised prefix pass applies to the query rows qp [N, Hkv, M, D] of N
+    agents: a Hopper GPU (sm_90), head_dim 128, K q8_0, V turbo3 with one rotation group per row,
+    and more query rows per KV head (N * M) than the decode-sized phase kernel takes."""
     from ..codecs.blockq import Q8_0
     from ..codecs.turbo import TurboCodec
     from .triton_decode import PHASE_MAX_ROWS, _interpreting
 
-    B, _, M, D = qp.shape
+    N, _, M, D = qp.shape
     return (qp.is_cuda and not _interpreting() and torch.cuda.get_device_capability(qp.device) == (9, 0)
-            and B == 1 and D == 128 and M > PHASE_MAX_ROWS
+            and D == 128 and N * M > PHASE_MAX_ROWS and qp.stride(-1) == 1
             and isinstance(k_codec, Q8_0) and k_codec.head_dim == D
             and isinstance(v_codec, TurboCodec) and v_codec.bits == 3 and v_codec.group == D)
 
@@ -391,20 +395,25 @@ def ws_prefix(qp: torch.Tensor, chunks, total_rows: int, k_codec, v_codec, *,
 def ws_prefix_parts(qp: torch.Tensor, chunks, total_rows: int, k_codec, v_codec, *, sm_scale: float,
                     max_split: int = 0, block_m: int = 0, block_n: int = 64, stages: int = 3,
                     consumer_regs: int = 0, maxnreg: int = 0, prefetch: bool = True,
-                    pipe: bool = True, target_programs: int | None = None):
+                    pipe: bool = True, target_programs: int | None = None,
+                    rec: list | None = None):
     """The cascade prefix pass on the warp-specialised kernel (check `ws_ok` first).
-    qp float32 [1, Hkv, M, D] in K's domain (rows of all agents); chunks: iterable of (k, v,
+    qp [N, Hkv, M, D] in K's domain (N agents' query rows; any float dtype and strides, last dim
+    contiguous), read in place: the partials' rows are [Hkv, N * M] (all agents of a KV head side
+    by side, `combine_splits(..., heads_major=True)`); chunks: iterable of (k, v,
     kv_lens int32 [1], row0) as triton_decode.decode_prepared's, total_rows their rows in all
     (each row0 a multiple of the split length: the splits are planned over all rows, powers of two
     <= max_split when given). Returns the splits' partial results (`triton_decode.SplitParts`,
     rows [1, Hkv, M], V's storage domain). The rest tunes the launch (0 /
     None: the H200 defaults, docs/kernels_notes.md v11): row tile (64 up to 64 rows, else 128),
     key tile, stages, registers per consumer thread / per thread of the CTA, the producer's
-    register prefetch, the consumers' S / PV overlap, programs."""
+    register prefetch, the consumers' S / PV overlap, programs. rec: the pass's plan (`WsPlan`;
+    None for a chunked prefix, or where launches are not planned) is appended to it."""
     from .triton_codec import asm_strings, cdiv
     from .triton_decode import SplitParts, _strides, num_programs_target, plan_split_len
 
-    _, Hkv, M, D = qp.shape
+    N, Hkv, MG, D = qp.shape
+    M = N * MG  # query rows per KV head
     dev = qp.device
     block_m = block_m or (64 if M <= 64 else 128)
     n_mt = cdiv(M, block_m)
@@ -419,8 +428,11 @@ def ws_prefix_parts(qp: torch.Tensor, chunks, total_rows: int, k_codec, v_codec,
     o_part = torch.empty(Hkv * M * n_splits * D, dtype=torch.float32, device=dev)
     l_part = torch.empty(Hkv * M * n_splits, dtype=torch.float32, device=dev)
     ka, va = unpacked(asm_strings(k_codec)[0]), [unpacked(a) for a in asm_strings(v_codec)]
-    qc = qp.contiguous()
+    if qp.stride(-1) != 1:
+        raise ValueError("the query rows' last dim must be contiguous")
+    plan, n_launch, planned = rec is not None, 0, None
     for kp, vp, lens, row0 in chunks:
+        n_launch += 1
         if row0 % split_len:
             raise ValueError(f"a chunk starts at row {row0}, inside a split of {split_len} keys: "
                              "chunk rows must be a multiple of the split length")
@@ -430,13 +442,27 @@ def ws_prefix_parts(qp: torch.Tensor, chunks, total_rows: int, k_codec, v_codec,
             raise ValueError("the warp-specialised prefix pass reads codes as 4-byte words: "
                              "their strides and base must be multiples of 4 bytes")
         rows = kp.codes.shape[2]
-        cached_launch(
-            _ws_prefix_kernel, (Hkv, max(1, cdiv(rows, split_len)), n_mt), qc, kc, ks, vc, vs, lens, o_part, l_part,
+        planned = cached_launch(
+            _ws_prefix_kernel, (Hkv, max(1, cdiv(rows, split_len)), n_mt), qp, kc, ks, vc, vs, lens, o_part, l_part,
             kcs[1] // 4, kcs[2] // 4, kss[1], kss[2], vcs[1] // 4, vcs[2] // 4, vss[1], vss[2],
+            qp.stride(0), qp.stride(1), qp.stride(2), MG,
             M, split_len, n_splits, row0 // split_len, sm_scale * 1.4426950408889634,
             D=D, BLOCK_M=block_m, BLOCK_N=block_n, NBUF=stages, KA=ka,
             VA0=va[0], VA1=va[1], VA2=va[2], VA3=va[3], VA4=va[4], VA5=va[5], VA6=va[6],
             VA7=va[7], CREG=consumer_regs, PREFETCH=bool(prefetch), PIPE=pipe,
             EVEN=rows % block_n == 0, num_warps=4,
-            maxnreg=maxnreg)
+            maxnreg=maxnreg, plan=8 if plan else 0)
+    if rec is not None:  # one launch (an unchunked prefix) is a plan of the whole pass
+        rec.append(WsPlan(planned, o_part.numel(), l_part.numel(), n_splits)
+                   if planned is not None and n_launch == 1 else None)
     return SplitParts(o_part, l_part, n_splits)
+
+
+class WsPlan(NamedTuple):
+    """A planned prefix pass: launch(qp, k codes, k scales, v codes, v norms, kv_lens, o_part,
+    l_part) and the sizes of its partials."""
+
+    launch: object  # launch.Planned
+    o_numel: int
+    l_numel: int
+    n_splits: int

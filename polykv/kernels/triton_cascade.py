@@ -18,10 +18,13 @@ import torch
 import triton
 import triton.language as tl
 
+from typing import NamedTuple
+
 from ..codecs import Packed
-from .gluon_prefix import ws_ok, ws_prefix_parts
+from .gluon_prefix import WsPlan, ws_ok, ws_prefix_parts
+from .launch import Planned
 from .launch import launch as cached_launch
-from .triton_decode import PHASE_MAX_ROWS, combine_splits, decode_parts
+from .triton_decode import PHASE_MAX_ROWS, _DecodePlan, combine_splits, decode_parts
 
 
 @triton.jit
@@ -90,7 +93,8 @@ def cascade_prepared(qp: torch.Tensor, n_q: int, prefix_k: Packed | None, prefix
                      v_codec, *, sm_scale: float, prefix_block_m: int = 64,
                      suffix_pages: torch.Tensor | None = None, page_size: int = 0,
                      prefix_chunks=None, prefix_rows: int = 0, prefix_max_split: int = 16384,
-                     prefix_tune: dict | None = None, out_dtype: torch.dtype | None = None, **kw):
+                     prefix_tune: dict | None = None, out_dtype: torch.dtype | None = None,
+                     rec: list | None = None, **kw):
     """qp float32 [N, Hkv, M, D] in K's storage domain. suffix_pages int32 [N, max_pages]: the
     suffixes are a page pool (see decode_prepared). prefix_chunks, prefix_rows: the prefix as an
     iterable of chunks (k, v, row0) of prefix_rows rows in all (prefix_k / prefix_v None), consumed
@@ -99,25 +103,30 @@ def cascade_prepared(qp: torch.Tensor, n_q: int, prefix_k: Packed | None, prefix
     powers of two of at most prefix_max_split rows, whole or chunked, so chunks that start at
     multiples of prefix_max_split always qualify. Returns (out, lse): out [N, Hkv, M, D] float32 in
     V's storage domain, or with out_dtype true space in that dtype; lse float32 [N, Hkv, M]
-    (`triton_decode.combine_splits`). kw tunes both passes, prefix_tune (over kw) the prefix pass alone."""
+    (`triton_decode.combine_splits`). kw tunes both passes, prefix_tune (over kw) the prefix pass alone.
+    rec: the call's plan (`CascadePasses`, None where a pass is not planned) is appended to it."""
     N, Hkv, M, D = qp.shape
     if prefix_chunks is None:
         prefix_chunks, prefix_rows = [(prefix_k, prefix_v, 0)], prefix_k.codes.shape[2]
     chunks = ((k, v, _prefix_lens(k.codes.shape[2], qp.device), int(row0))
               for k, v, row0 in prefix_chunks)
-    # all agents' rows of a KV head side by side: [1, Hkv, N*M, D]
-    qc = qp.permute(1, 0, 2, 3).reshape(1, Hkv, N * M, D).contiguous()
     # H200, 64k prefix (kernels_notes v9/v10): 3 pipeline stages; 168 registers = 3 tile-kernel
     # programs per SM (the vector factor loads of v10 alone build at 213 = 2 per SM)
     tile = {"num_stages": 3, "maxnreg": 168} if N * M > PHASE_MAX_ROWS else {"num_stages": 3}
     tune = {**kw, **(prefix_tune or {})}
+    sub = [] if rec is not None else None
     # power-of-two splits (<= prefix_max_split): the same splits whether whole or in chunks
-    if tune.get("impl", "auto") in ("auto", "ws") and ws_ok(qc, k_codec, v_codec):
-        # Hopper: the warp-specialised pass (decode in a producer warp group, wgmma in consumers)
-        prefix = ws_prefix_parts(qc, chunks, prefix_rows, k_codec, v_codec, sm_scale=sm_scale,
-                                 max_split=prefix_max_split, **tune.get("ws", {}))
+    if tune.get("impl", "auto") in ("auto", "ws") and ws_ok(qp, k_codec, v_codec):
+        # Hopper: the warp-specialised pass (decode in a producer warp group, wgmma in consumers),
+        # reading every agent's rows of a KV head in place
+        prefix = ws_prefix_parts(qp, chunks, prefix_rows, k_codec, v_codec, sm_scale=sm_scale,
+                                 max_split=prefix_max_split, rec=sub, **tune.get("ws", {}))
     else:
         tune.pop("ws", None)
+        # all agents' rows of a KV head side by side: [1, Hkv, N*M, D]
+        qc = qp.permute(1, 0, 2, 3).reshape(1, Hkv, N * M, D).contiguous()
+        if sub is not None:
+            sub.append(None)  # the tile kernel's prefix pass is not planned
         prefix = decode_parts(qc, n_q, None, None, k_codec, v_codec, None,
                               causal=False, window=None, sm_scale=sm_scale,
                               chunks=chunks, total_rows=prefix_rows,
@@ -129,6 +138,46 @@ def cascade_prepared(qp: torch.Tensor, n_q: int, prefix_k: Packed | None, prefix
         suffix = decode_parts(qp, n_q, suffix_k, suffix_v, k_codec, v_codec,
                               suffix_lens.to(torch.int32).contiguous(), causal=True,
                               window=None, sm_scale=sm_scale, page_table=suffix_pages,
-                              page_size=page_size, **kw)
-    return combine_splits(prefix, (N, Hkv, M, D), v_codec, out_dtype, second=suffix,
-                          heads_major=True)
+                              page_size=page_size, rec=sub, **kw)
+    out, lse = combine_splits(prefix, (N, Hkv, M, D), v_codec, out_dtype, second=suffix,
+                              heads_major=True, rec=sub)
+    if rec is not None:
+        ok = all(p is not None for p in sub)
+        rec.append(CascadePasses(sub[0], sub[1] if suffix is not None else None, sub[-1],
+                                 (N, Hkv, M, D), out_dtype) if ok else None)
+    return out, lse
+
+
+class CascadePasses(NamedTuple):
+    """A cascade call's planned passes (`cascade_prepared`): the warp-specialised prefix pass,
+    the suffix pass (None: no suffix rows, no pass) and the combine."""
+
+    prefix: WsPlan
+    suffix: _DecodePlan | None
+    combine: Planned
+    shape: tuple  # qp's [N, Hkv, M, D]
+    out_dtype: torch.dtype | None
+
+    def __call__(self, qp: torch.Tensor, prefix_k: Packed, prefix_v: Packed, suffix_k: Packed,
+                 suffix_v: Packed, suffix_lens: torch.Tensor, suffix_pages: torch.Tensor | None):
+        """What `cascade_prepared` computes for these tensors (the same launches and buffers)."""
+        dev = qp.device
+        w = self.prefix
+        o_p = torch.empty(w.o_numel, dtype=torch.float32, device=dev)
+        l_p = torch.empty(w.l_numel, dtype=torch.float32, device=dev)
+        w.launch(qp, prefix_k.codes, prefix_k.scales, prefix_v.codes, prefix_v.scales,
+                 _prefix_lens(prefix_k.codes.shape[2], dev), o_p, l_p)
+        o_s, l_s = o_p, l_p  # never read without a suffix pass
+        p = self.suffix
+        if p is not None:
+            lens = suffix_lens.to(torch.int32).contiguous()
+            o_s = torch.empty(p.o_numel, dtype=torch.float32, device=dev)
+            l_s = torch.empty(p.l_numel, dtype=torch.float32, device=dev)
+            p.launch(qp, suffix_k.codes, suffix_k.codes if suffix_k.scales is None else suffix_k.scales,
+                     suffix_v.codes, suffix_v.codes if suffix_v.scales is None else suffix_v.scales,
+                     p.kcent, p.vcent, lens, lens, p.pt if suffix_pages is None else suffix_pages,
+                     o_s, l_s)
+        out = torch.empty(self.shape, dtype=self.out_dtype or torch.float32, device=dev)
+        lse = torch.empty(self.shape[:-1], dtype=torch.float32, device=dev)
+        self.combine(o_p, l_p, o_s, l_s, out, lse)
+        return out, lse

@@ -433,10 +433,12 @@ def _plannable(dev: torch.device) -> bool:
     return dev.type == "cuda" and launch_mod.enabled
 
 
-def _remember(key, plan) -> None:
-    if len(_PLANS) >= launch_mod.MAX_ENTRIES:
-        _PLANS.clear()
-    _PLANS[key] = plan
+def _remember(key, plan, store: dict | None = None) -> None:
+    """store[key] = plan (store: _PLANS by default), the store started over when full."""
+    store = _PLANS if store is None else store
+    if len(store) >= launch_mod.MAX_ENTRIES:
+        store.clear()
+    store[key] = plan
 
 
 class _DecodePlan(NamedTuple):
@@ -451,13 +453,13 @@ class _DecodePlan(NamedTuple):
 
 def decode_prepared(qp: torch.Tensor, n_q: int, k: Packed, v: Packed, k_codec, v_codec,
                     kv_lens: torch.Tensor, *, out_dtype: torch.dtype | None = None,
-                    out_shape: tuple | None = None, **kw):
+                    out_shape: tuple | None = None, rec: list | None = None, **kw):
     """`decode_parts` and its combine (`combine_splits`): returns out float32 [B, Hkv, M, D] in
     V's storage domain and lse float32 [B, Hkv, M]; with out_dtype, out is in true space
     (unrotated) and that dtype; with out_shape, out [*out_shape] and lse [*out_shape[:-1]] (the
-    same rows)."""
-    parts = decode_parts(qp, n_q, k, v, k_codec, v_codec, kv_lens, **kw)
-    return combine_splits(parts, tuple(qp.shape), v_codec, out_dtype, out_shape=out_shape)
+    same rows). rec: a list the plans of both launches are appended to (`CallPlan`)."""
+    parts = decode_parts(qp, n_q, k, v, k_codec, v_codec, kv_lens, rec=rec, **kw)
+    return combine_splits(parts, tuple(qp.shape), v_codec, out_dtype, out_shape=out_shape, rec=rec)
 
 
 def decode_parts(qp: torch.Tensor, n_q: int, k: Packed, v: Packed, k_codec, v_codec,
@@ -468,7 +470,8 @@ def decode_parts(qp: torch.Tensor, n_q: int, k: Packed, v: Packed, k_codec, v_co
                  page_table: torch.Tensor | None = None, page_size: int = 0,
                  kv_start: torch.Tensor | None = None,
                  vector_factors: bool = True, split_len: int | None = None,
-                 max_split: int = 0, chunks=None, total_rows: int = 0) -> SplitParts:
+                 max_split: int = 0, chunks=None, total_rows: int = 0,
+                 rec: list | None = None) -> SplitParts:
     """The split-KV pass (stage 1) of a decode call. qp: [B, Hkv, M, D] contiguous (any float dtype), already in K's storage domain (rotated / InnerQ-
     divided), rows r = head_in_group * n_q + j. k, v: Packed leading [B or 1, Hkv, S_cap].
     dec: "asm" (PTX byte-permute lookup, CUDA only), "select" (plain Triton), "auto" (asm where it
@@ -488,7 +491,8 @@ def decode_parts(qp: torch.Tensor, n_q: int, k: Packed, v: Packed, k_codec, v_co
     page_size): k, v are a page pool (leading [1, Hkv, rows]) and row n of sequence b lives at
     page_table[b, n // page_size] * page_size + n % page_size. kv_start int32 [B]: rows before it
     are left padding, never keys. Returns the splits' partial results (`SplitParts`; rows
-    [B, Hkv, M], V's storage domain)."""
+    [B, Hkv, M], V's storage domain). rec: the launch's plan (`_DecodePlan`, None where this call
+    is not planned) is appended to it."""
     B, Hkv, M, D = qp.shape
     dev = qp.device
     plan_key = None
@@ -507,6 +511,8 @@ def decode_parts(qp: torch.Tensor, n_q: int, k: Packed, v: Packed, k_codec, v_co
                      v.codes if v.scales is None else v.scales, p.kcent, p.vcent, kv_lens,
                      kv_lens if kv_start is None else kv_start, p.pt if page_table is None else page_table,
                      o_part, l_part)
+            if rec is not None:
+                rec.append(p)
             return SplitParts(o_part, l_part, p.n_splits)
     if impl == "auto":  # H200 v5 sweep: phase for decode-sized row tiles, tile for the cascade
         impl = ("phase" if M <= PHASE_MAX_ROWS and phase_ok(k_codec) and phase_ok(v_codec)
@@ -627,9 +633,12 @@ def decode_parts(qp: torch.Tensor, n_q: int, k: Packed, v: Packed, k_codec, v_co
                 planned = launch(part, k_dec, v_dec, ka, va)
         else:
             planned = launch(part, k_dec, v_dec, ka, va)
+    p = None
     if plan_key is not None and planned is not None:
-        _remember(plan_key, _DecodePlan(planned, o_part.numel(), l_part.numel(), n_splits, kcent, vcent,
-                                       page_table))
+        p = _DecodePlan(planned, o_part.numel(), l_part.numel(), n_splits, kcent, vcent, page_table)
+        _remember(plan_key, p)
+    if rec is not None:
+        rec.append(p)
     return SplitParts(o_part, l_part, n_splits)
 
 
@@ -648,14 +657,15 @@ def plan_split_len(S: int, groups: int, target: int, block_n: int, max_split: in
 
 def combine_splits(parts: SplitParts, shape: tuple, v_codec, out_dtype: torch.dtype | None = None,
                    *, second: SplitParts | None = None, heads_major: bool = False,
-                   out_shape: tuple | None = None):
+                   out_shape: tuple | None = None, rec: list | None = None):
     """Stage 2 in one launch: merge every split of `parts` (and of `second`, a second pass over
     other keys of the same rows) by log-sum-exp into out [*shape] = [B, Hkv, M, D] (float32, V's
     storage domain; with out_dtype: true space, that dtype) and lse float32 [B, Hkv, M].
     parts' rows are in shape's order, or with heads_major in [Hkv, B, M] order (the cascade's
     prefix pass: all agents of a KV head side by side); second's rows in shape's order.
     out_shape: out allocated as [*out_shape] and lse as [*out_shape[:-1]] instead, the same
-    row-major rows (the caller's [B, Hq, n_q, D]: no reshape per call)."""
+    row-major rows (the caller's [B, Hq, n_q, D]: no reshape per call). rec: the launch's plan
+    (None where not planned) is appended to it."""
     B, Hkv, M, D = shape
     dev = parts.o.device
     out_shape = out_shape or shape
@@ -669,6 +679,8 @@ def combine_splits(parts: SplitParts, shape: tuple, v_codec, out_dtype: torch.dt
         planned = _PLANS.get(plan_key)
         if planned is not None:
             planned(parts.o, parts.lse, s.o, s.lse, out, lse)
+            if rec is not None:
+                rec.append(planned)
             return out, lse
     unrot = out_dtype is not None and getattr(v_codec, "rotated", False)
     rows = B * Hkv * M
@@ -684,6 +696,8 @@ def combine_splits(parts: SplitParts, shape: tuple, v_codec, out_dtype: torch.dt
             plan=6 if plan_key is not None else 0)
         if planned is not None:
             _remember(plan_key, planned)
+        if rec is not None:
+            rec.append(planned)
     return out, lse
 
 
@@ -729,10 +743,12 @@ def block_rotation(group: int, D: int, device) -> torch.Tensor:
     return t
 
 
-def prep_q_triton(q: torch.Tensor, k_codec, k_innerq: torch.Tensor | None, hkv: int) -> torch.Tensor:
+def prep_q_triton(q: torch.Tensor, k_codec, k_innerq: torch.Tensor | None, hkv: int,
+                  rec: list | None = None) -> torch.Tensor:
     """q [B, Hq, n_q, D] -> float32 [B, Hkv, group * n_q, D] contiguous in K's storage domain
     (q / s with InnerQ s [Hkv, D], then rotated when K is a rotated codec) in one launch — the torch
-    ops it replaces were four to five launches per attention call."""
+    ops it replaces were four to five launches per attention call. rec: the launch's plan (None
+    where not planned) is appended to it."""
     B, Hq, n_q, D = q.shape
     if q.stride(-1) != 1:
         q = q.contiguous()
@@ -746,6 +762,8 @@ def prep_q_triton(q: torch.Tensor, k_codec, k_innerq: torch.Tensor | None, hkv: 
         planned = _PLANS.get(plan_key)
         if planned is not None:
             planned(q, s, out)
+            if rec is not None:
+                rec.append(planned)
             return out
     rotated = getattr(k_codec, "rotated", False)
     R = B * Hq * n_q
@@ -758,7 +776,69 @@ def prep_q_triton(q: torch.Tensor, k_codec, k_innerq: torch.Tensor | None, hkv: 
             **({"PDL": True, "launch_pdl": True} if pdl_ok(dev) else {}), plan=3 if plan_key else 0)
         if planned is not None:
             _remember(plan_key, planned)
+    else:
+        planned = None
+    if rec is not None:
+        rec.append(planned)
     return out
+
+
+class CallPlan(NamedTuple):
+    """One eager decode call (`dispatch.attention_decode`) as its planned launches, kept under one
+    key of the whole call (`_CALLS`): a repeated call builds that key, allocates its buffers and
+    launches — no per-launch keys, no launch arithmetic (issue F: host time per eager call).
+    prep: the turbo-K query preparation (q, s, out) or None (q is viewed as the query rows)."""
+
+    prep: launch_mod.Planned | None
+    split: _DecodePlan
+    combine: launch_mod.Planned
+    qp_shape: tuple  # [B, Hkv, M, D]
+    out_shape: tuple  # [B, Hq, n_q, D]
+    out_dtype: torch.dtype
+
+    @classmethod
+    def of(cls, rec: list, qp_shape: tuple, out_shape: tuple, out_dtype: torch.dtype,
+           prep: bool) -> "CallPlan | None":
+        """The call plan of a full-path call whose launches recorded `rec` (prep, split, combine,
+        or split, combine); None if one of them was not planned."""
+        if len(rec) != 2 + prep or any(p is None for p in rec):
+            return None
+        return cls(rec[0] if prep else None, rec[-2], rec[-1], qp_shape, out_shape, out_dtype)
+
+    def __call__(self, q: torch.Tensor, k: Packed, v: Packed, lens: torch.Tensor,
+                 s: torch.Tensor | None, kv_start: torch.Tensor | None):
+        """What the full path computes for these tensors (the same launches, buffers and order):
+        (out [*out_shape] out_dtype, lse float32 [*out_shape[:-1]])."""
+        dev = q.device
+        qp = planned_rows(self.prep, q, s, self.qp_shape)
+        p = self.split
+        o_part = torch.empty(p.o_numel, dtype=torch.float32, device=dev)
+        l_part = torch.empty(p.l_numel, dtype=torch.float32, device=dev)
+        p.launch(qp, k.codes, k.codes if k.scales is None else k.scales, v.codes,
+                 v.codes if v.scales is None else v.scales, p.kcent, p.vcent, lens,
+                 lens if kv_start is None else kv_start, p.pt, o_part, l_part)
+        out = torch.empty(self.out_shape, dtype=self.out_dtype, device=dev)
+        lse = torch.empty(self.out_shape[:-1], dtype=torch.float32, device=dev)
+        self.combine(o_part, l_part, o_part, l_part, out, lse)
+        return out, lse
+
+
+def planned_rows(prep: launch_mod.Planned | None, q: torch.Tensor, s: torch.Tensor | None,
+                 qp_shape: tuple) -> torch.Tensor:
+    """A planned call's query rows [*qp_shape] in K's domain, as `prep_q_triton` (prep: its
+    planned launch) or dispatch's plain view of q (prep None) make them."""
+    if prep is None:
+        return q.reshape(qp_shape).contiguous()
+    dev = q.device
+    qp = torch.empty(qp_shape, dtype=torch.float32, device=dev)
+    prep(q if q.stride(-1) == 1 else q.contiguous(),
+         placeholder(dev) if s is None else s.to(device=dev, dtype=torch.float32).contiguous(), qp)
+    return qp
+
+
+_CALLS: dict = {}
+"""Planned eager calls, keyed by dispatch: attention_decode's `CallPlan`s and cascade_attention's
+planned calls."""
 
 
 # ----------------------------------------------------------------------------- v5: phase tiles

@@ -46,9 +46,9 @@ va = [gp.unpacked(a) for a in asm_strings(get_codec("turbo3", 128))]
 names = gp._ws_prefix_kernel.arg_names
 out = []
 for block_m, even, maxnreg, consumer_regs in json.loads(sys.argv[2]):
-    sig = dict(Q="*fp32", KC="*i8", KS="*fp16", VC="*u8", VS="*fp16", KV_LENS="*i32",
+    sig = dict(Q="*fp16", KC="*i8", KS="*fp16", VC="*u8", VS="*fp16", KV_LENS="*i32",
                O_PART="*fp32", L_PART="*fp32", qk_scale="fp32")
-    for n in "skh sks sksh skss svh svs svsh svss M_TOTAL SPLIT_LEN N_SPLITS SPLIT0".split():
+    for n in "skh sks sksh skss svh svs svsh svss sqn sqh sqm M_AGENT M_TOTAL SPLIT_LEN N_SPLITS SPLIT0".split():
         sig[n] = "i32"
     consts = dict(D=128, BLOCK_M=block_m, BLOCK_N=64, NBUF=3, KA=gp.unpacked(ASM_Q8),
                   CREG=consumer_regs, PREFETCH=True, PIPE=True, EVEN=even,
@@ -111,8 +111,9 @@ def test_ws_ok_selects_hopper_q8_turbo3_prefix(monkeypatch):
     cpu = torch.zeros(1, 8, 128, 128)
     assert not gp.ws_ok(cpu, kc, vc)  # not on the CPU
 
-    def fake(shape):
-        return SimpleNamespace(shape=torch.Size(shape), is_cuda=True, device=torch.device("cuda"))
+    def fake(shape, last_stride=1):  # the query rows [N agents, Hkv, M, D]
+        return SimpleNamespace(shape=torch.Size(shape), is_cuda=True, device=torch.device("cuda"),
+                               stride=lambda dim: last_stride)
 
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (9, 0))
     assert not gp.ws_ok(fake((1, 8, 128, 128)), kc, vc)  # nor in the interpreter
@@ -120,7 +121,9 @@ def test_ws_ok_selects_hopper_q8_turbo3_prefix(monkeypatch):
     assert gp.ws_ok(fake((1, 8, 128, 128)), kc, vc)
     assert gp.ws_ok(fake((1, 8, 17, 128)), kc, vc)
     assert not gp.ws_ok(fake((1, 8, 16, 128)), kc, vc)  # decode-sized: the phase kernel
-    assert not gp.ws_ok(fake((2, 8, 128, 128)), kc, vc)  # one shared prefix only
+    assert gp.ws_ok(fake((5, 8, 4, 128)), kc, vc)  # 5 agents x 4 rows per KV head
+    assert not gp.ws_ok(fake((4, 8, 4, 128)), kc, vc)  # 16 rows: the phase kernel
+    assert not gp.ws_ok(fake((5, 8, 4, 128), last_stride=2), kc, vc)  # rows read in place
     assert not gp.ws_ok(fake((1, 8, 128, 128)), get_codec("turbo4", 128), vc)
     assert not gp.ws_ok(fake((1, 8, 128, 128)), kc, get_codec("turbo4", 128))
     assert not gp.ws_ok(fake((1, 8, 128, 64)), get_codec("q8_0", 64), get_codec("turbo3", 64))

@@ -89,3 +89,60 @@ def test_turbo_key_query_preparation_is_planned(launches):
     (p,), (d,) = pplan.calls, dplan.calls
     assert p[0] is q and torch.equal(p[1], pargs[1]) and p[2].shape == pargs[2].shape == (1, 2, 4, 128)
     assert d[0] is p[2]  # the decode pass reads the prepared rows
+
+
+def test_a_repeated_call_runs_its_call_plan_alone(launches, monkeypatch):
+    """The second identical-signature call is served by one CallPlan (no per-launch plans looked
+    up, no launch path), handing its launches this call's tensors; another signature plans anew."""
+    monkeypatch.setattr(td, "_CALLS", {})
+    g = torch.Generator().manual_seed(2)
+    kc, vc = get_codec("q8_0", 128), get_codec("turbo3", 128)
+    kp, vp = kc.encode(torch.randn(1, 2, 64, 128, generator=g)), vc.encode(torch.randn(1, 2, 64, 128, generator=g))
+    q1, q2 = torch.randn(1, 8, 1, 128, generator=g), torch.randn(1, 8, 1, 128, generator=g)
+    dispatch.attention_decode(q1, kp, vp, kc, vc)
+    assert len(td._CALLS) == 1 and len(launches) == 2
+    (_, dargs, dplan), (_, _, cplan) = launches
+
+    def no_full_path(*a, **k):
+        raise AssertionError("a planned call went through decode_prepared")
+
+    monkeypatch.setattr(td, "decode_prepared", no_full_path)
+    out2, lse2 = dispatch.attention_decode(q2, kp, vp, kc, vc)
+    (d,), (c,) = dplan.calls, cplan.calls
+    assert torch.equal(d[0], q2.reshape(1, 2, 4, 128)) and d[1] is kp.codes and d[3] is vp.codes
+    assert d[7] is dargs[7]  # the full-length kv_lens of (B, S)
+    assert c[0] is d[10] and c[1] is d[11] and c[4] is out2 and c[5] is lse2
+    assert out2.shape == (1, 8, 1, 128) and lse2.shape == (1, 8, 1) and out2.dtype == q2.dtype
+    with pytest.raises(AssertionError, match="decode_prepared"):  # another window: not this plan
+        dispatch.attention_decode(q2, kp, vp, kc, vc, window=16)
+
+
+def test_a_repeated_cascade_runs_its_call_plan(launches, monkeypatch):
+    """The cascade's planned call (warp-specialised prefix pass faked in: it reads the agents'
+    rows in place, no permuted copy), then the suffix pass and the combine, on this call's tensors."""
+    from polykv.kernels import gluon_prefix, triton_cascade
+
+    monkeypatch.setattr(td, "_CALLS", {})
+    monkeypatch.setattr(gluon_prefix, "cached_launch", td.cached_launch)
+    monkeypatch.setattr(triton_cascade, "ws_ok", lambda qp, kc, vc: True)
+    g = torch.Generator().manual_seed(4)
+    kc, vc = get_codec("q8_0", 128), get_codec("turbo3", 128)
+    pk, pv = kc.encode(torch.randn(1, 2, 128, 128, generator=g)), vc.encode(torch.randn(1, 2, 128, 128, generator=g))
+    sk, sv = kc.encode(torch.randn(5, 2, 16, 128, generator=g)), vc.encode(torch.randn(5, 2, 16, 128, generator=g))
+    sl = torch.tensor([16, 3, 0, 9, 16], dtype=torch.int32)
+    q1, q2 = torch.randn(5, 8, 1, 128, generator=g), torch.randn(5, 8, 1, 128, generator=g)
+    dispatch.cascade_attention(q1, pk, pv, sk, sv, sl, kc, vc)
+    assert [_name(e) for e in launches] == ["_ws_prefix_kernel", "_phase_decode_kernel", "_combine_kernel"]
+    (_, wargs, wplan), (_, sargs, splan), (_, cargs, cplan) = launches
+    assert wargs[0].shape == (5, 2, 4, 128)  # the agents' rows as they are: [N, Hkv, M, D]
+    monkeypatch.setattr(triton_cascade, "cascade_prepared", lambda *a, **k: 1 / 0)
+    sl2 = torch.tensor([1, 2, 3, 4, 5], dtype=torch.int32)
+    out, lse = dispatch.cascade_attention(q2, pk, pv, sk, sv, sl2, kc, vc)
+    (w,), (sp,), (c,) = wplan.calls, splan.calls, cplan.calls
+    qp = q2.reshape(5, 2, 4, 128)
+    assert torch.equal(w[0], qp) and w[1] is pk.codes and w[2] is pk.scales and w[3] is pv.codes
+    assert w[5] is wargs[5] and w[6].shape == wargs[6].shape  # the prefix length, partials
+    assert sp[0] is w[0] and sp[1] is sk.codes and torch.equal(sp[7], sl2) and sp[9] is sargs[9]
+    assert c[0] is w[6] and c[1] is w[7] and c[2] is sp[10] and c[3] is sp[11]
+    assert c[4].shape == (5, 2, 4, 128) and out.shape == (5, 8, 1, 128) and lse.shape == (5, 8, 1)
+    assert len(launches) == 3  # nothing took the launch path
