@@ -334,10 +334,10 @@ class SuffixTree:
         return len(self._count)
 
     def start(self) -> list:
-        """A handle for a new sequence: [generation, [node of each live suffix, deepest first]].
-        (Not flushed first: a handle whose generation a logged clear makes stale starts over empty,
-        which is what a new handle is.)"""
-        return [self.generation, []]
+        """A handle for a new sequence: [generation, [node of each live suffix, deepest first],
+        tokens of the sequence added so far]. (Not flushed first: a handle whose generation a
+        logged clear makes stale starts over empty, which is what a new handle is.)"""
+        return [self.generation, [], 0]
 
     def extend(self, handle: list, token: int) -> None:
         self.extend_all(handle, (token,))
@@ -425,9 +425,10 @@ class SuffixTree:
             add(c)
             live = new[1:] if len(live) >= limit else new  # the deepest suffix reached the depth
         handle[1] = live
+        handle[2] += len(tokens)
 
-    def _walk(self, pattern: list[int]):
-        by_token, node = self._child, 0
+    def _walk(self, pattern: list[int], node: int = 0):
+        by_token = self._child
         for t in pattern:
             kids = by_token.get(int(t))
             node = kids.get(node) if kids is not None else None
@@ -435,21 +436,33 @@ class SuffixTree:
                 return None
         return node
 
-    def propose(self, context_ids: list[int], k: int, handle: list | None = None, flush: bool = True) -> list[int]:
+    def propose(self, context_ids: list[int], k: int, handle: list | None = None, flush: bool = True,
+                logged: int | None = None) -> list[int]:
         """handle: the sequence `context_ids` ends with (its `start` handle, every token of it
         extended, as `Speculator` keeps them): its live suffixes ARE the nodes of the context's
         tails up to their length, so those tails are not walked from the root again (the drafts
-        are the same; the walks were ~1/4 of a suffix-tree proposal). flush=False: read the tree
-        as it is, the logged tokens not added (a lagged read: `Speculator.ahead` adds them while
-        the device runs a step); pass no handle then — its live suffixes lag the context."""
+        are the same; the walks were ~1/4 of a suffix-tree proposal).
+
+        flush=False: read the tree as it is, the logged tokens not added (a lagged read:
+        `Speculator.ahead` adds them while the device runs a step). The handle then has added
+        only handle[2] of the `logged` tokens extended into it (required with a handle): the
+        context's last e = logged - handle[2] tokens are not in its live suffixes, so the tail
+        of length m is live[-(m - e)] followed by those e tokens (a walk of e steps, not m),
+        else walked from the root."""
         if flush:
             self.flush()
         ctx = context_ids
         total, best, tok, count = self._total, self._best, self._tok, self._count
         live = handle[1] if handle is not None and handle[0] == self.generation else ()
         n_live = len(live)
+        e = 0 if flush or handle is None else logged - handle[2]  # the context's tokens the handle lacks
+        rest = ctx[len(ctx) - e:] if e else ()
         for m in range(min(self.max_match, len(ctx), self.max_depth - 1), 0, -1):
-            node = live[-m] if m <= n_live else self._walk(ctx[-m:])
+            j = m - e
+            if 0 < j <= n_live:
+                node = live[-j] if not e else self._walk(rest, live[-j])
+            else:
+                node = self._walk(ctx[-m:])
             if node is None or not total[node]:
                 continue
             out = []

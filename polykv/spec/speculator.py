@@ -23,9 +23,10 @@ Overlap (`overlap=True`, what `SharedKVPool.generate` uses): the loop calls `ahe
 launching a verify step and reading its ids, and `ahead` adds the outputs tree's logged tokens
 (the outputs of every step read so far) — the largest host cost of a suffix-tree step, ~0.2 ms at
 32 agents on the 2-core CPU — while the device computes. `propose_all` then reads the tree without
-adding what was logged since (`SuffixTree.propose(flush=False)`, the context's tails walked from
-the root): drafts for step t+1 see the outputs of steps <= t-1 (every agent's, its own included),
-the context itself up to step t. Drafts only change what is proposed, never what is emitted:
+adding what was logged since (`SuffixTree.propose(flush=False)`: the context's tails from the
+agent's handle, which lacks the last step's tokens, walked on through them): drafts for step t+1
+see the outputs of steps <= t-1 (every agent's, its own included), the context itself up to step
+t. Drafts only change what is proposed, never what is emitted:
 greedy stays exact and sampling keeps its rule. Prompt lookup reads no tree: its drafts are the
 same in both modes. Drafting itself cannot run ahead: every draft continues the token the step in
 flight emits (docs/speculative.md, "Overlap").
@@ -92,10 +93,11 @@ class SpecConfig:
 
 
 class _AgentSpec:
-    __slots__ = ("context", "drafter", "length", "handle", "key")
+    __slots__ = ("context", "drafter", "length", "handle", "key", "logged")
 
     def __init__(self, context, drafter, length, handle, key):
         self.context, self.drafter, self.length, self.handle, self.key = context, drafter, length, handle, key
+        self.logged = 0  # tokens extended into the handle (added by the tree or still logged)
 
 
 class Speculator:
@@ -178,7 +180,7 @@ class Speculator:
         out = {}
         adaptive, wants, fixed_w = [], [], 0  # one pass over the agents: drafts, then what the planner needs
         get, draft, tree = self._agents.get, self._draft, self.tree if self.tree is not None else False
-        lagged = self.overlap  # read the tree as `ahead` left it: tails walked, no handle
+        lagged = self.overlap  # read the tree as `ahead` left it (the handle lacks the last step)
         for key, limit in limits.items():
             st = get(key)
             if st is None:
@@ -194,7 +196,7 @@ class Speculator:
             elif kind is PromptLookup:  # `_draft`'s first two cases, without its call
                 d = out[key] = drafter.propose(st.context, k)
             elif kind is SuffixTreeDrafter and drafter.tree is tree:  # SuffixTreeDrafter.propose, inlined
-                d = tree.propose(st.context, k, None, False) if lagged else tree.propose(st.context, k, st.handle)
+                d = tree.propose(st.context, k, st.handle, False, st.logged) if lagged else tree.propose(st.context, k, st.handle)
                 if not d and drafter.fallback is not None:
                     d = drafter.fallback.propose(st.context, k)[:k]
                 out[key] = d
@@ -226,6 +228,7 @@ class Speculator:
         st.context.extend(map(int, emitted))
         if self.tree is not None:
             self.tree.extend_all(st.handle, emitted)  # logged; added when the tree is read
+            st.logged += len(emitted)
         if drafted:
             acc = len(emitted) - 1
             length = st.length

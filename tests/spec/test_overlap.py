@@ -126,16 +126,21 @@ def _ref_drafts(tree: SuffixTree, lookup: PromptLookup, ctx: list[int], k: int) 
     return d if d else lookup.propose(ctx, k)[:k]
 
 
-@settings(max_examples=40, deadline=None)
-@given(data=st.data(), vocab=st.integers(2, 6), k=st.integers(1, 4), agents=st.integers(1, 5))
-def test_lagged_tree_drafts_equal_a_tree_one_step_behind(data, vocab, k, agents):
+@settings(max_examples=60, deadline=None)
+@given(data=st.data(), vocab=st.integers(2, 6), k=st.integers(1, 4), agents=st.integers(1, 5),
+       max_nodes=st.sampled_from([25, 80, 500_000]))
+def test_lagged_tree_drafts_equal_a_tree_one_step_behind(data, vocab, k, agents, max_nodes):
     """Speculator(overlap=True), driven as the loop drives it (ahead, record, propose_all), drafts
     what the suffix tree (then prompt lookup) drafts over the same contexts from a tree fed every
-    agent's outputs one step late: a step's drafts see the outputs of the steps before it, not its
-    own. Agents leave now and then; shared drafts across agents come from the shared tree."""
+    agent's outputs one step late and read by walks from the root: a step's drafts see the outputs
+    of the steps before it, not its own, and the tails read from an agent's handle (which lacks
+    its last step) followed by that step's tokens are the walked ones — max_nodes clears (stale
+    handles) included. Agents leave now and then."""
     doc = data.draw(st.lists(st.integers(0, vocab - 1), min_size=1, max_size=40))
     index = NgramIndex(doc)
-    tree, ref = SuffixTree(max_depth=10, max_match=5), SuffixTree(max_depth=10, max_match=5)
+    tree = SuffixTree(max_depth=10, max_match=5, max_nodes=max_nodes)
+    ref = SuffixTree(max_depth=10, max_match=5, max_nodes=max_nodes)
+    ref.fit(k)  # the depth the speculator fits its tree to (the clears count the same nodes)
     spec = Speculator(index, tree, times=StepTimes(), overlap=True)
     cfg = SpecConfig(method="suffix_tree", num_draft_tokens=k, adaptive=False)
     ctx, handles, lookups, log = {}, {}, {}, []
