@@ -10,6 +10,8 @@
     tokens = ahead.result()               #   read them after launching that step (PendingTokens)
     batch.feed_drafts({aid: [d1, d2, ...]})  # speculative: guesses to verify after the fed token
     emitted = batch.step_verify()         # {aid: [accepted drafts..., next token]}, rejects rolled back
+    pending = batch.launch_verify()       #   or in two halves: launched (the device runs the step),
+    emitted = pending.result()            #   host work in between, then the ids read (PendingVerify)
     batch.remove(aid); len(batch); batch.close()
 
 Semantics
@@ -676,7 +678,7 @@ def _copy_to_host(ids: list[torch.Tensor]) -> tuple[list[torch.Tensor], object]:
     hosts = []
     for t in ids:
         h = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
-        h.copy_(t, non_blocking=True)
+        h.copy_(t.contiguous(), non_blocking=True)  # a verify grid is a column slice of the step's output
         hosts.append(h)
     event = torch.cuda.Event()
     event.record()

@@ -664,7 +664,9 @@ class SharedKVPool:
         from its own stream seeded `seed + i` (a random seed when None), independent of the other
         agents. pipelined (without `speculative`): step t+1 is launched before step t's ids are read
         (`AgentBatch.step_tokens_ahead`; the same tokens as pipelined=False, which waits for every
-        step's ids before the next). Returns the decoded answers (special tokens skipped)."""
+        step's ids before the next). With `speculative`, each verify step is launched and the
+        outputs tree's logged tokens are added while it runs (`spec_overlap`). Returns the decoded
+        answers (special tokens skipped)."""
         from ..generation import find_stop, is_greedy, stop_token_ids
         from ..spec import SpecConfig, Speculator
 
