@@ -42,10 +42,24 @@ def arg_spec(a):
 
 
 class _Entry:
-    __slots__ = ("run", "function", "meta", "tail")
+    """A compiled kernel's launch: run(gx, gy, gz, stream, function, *head, *args, *tail).
+    Kernels that need no scratch memory are launched by the compiled launcher itself (head: its
+    cooperative / PDL flags, no scratch buffers, the metadata, no hooks): Triton's Python wrapper
+    around it only allocates scratch buffers, two closures per launch that cost host time."""
+
+    __slots__ = ("run", "function", "head", "tail")
 
     def __init__(self, kernel, tail: list):
-        self.run, self.function, self.meta, self.tail = kernel.run, kernel.function, kernel.packed_metadata, tail
+        runner, meta = kernel.run, kernel.packed_metadata
+        self.function, self.tail = kernel.function, tail
+        direct = getattr(runner, "launch", None)
+        if (direct is not None and getattr(runner, "global_scratch_size", 1) == 0
+                and getattr(runner, "profile_scratch_size", 1) == 0):
+            self.run = direct
+            self.head = (runner.launch_cooperative_grid, runner.launch_pdl, None, None, meta,
+                         None, None, None)
+        else:
+            self.run, self.head = runner, (meta, None, None, None)
 
 
 _CACHE: dict = {}
@@ -100,8 +114,7 @@ def launch(fn, grid: tuple, *args, plan: int = 0, **consts):
             _CACHE.clear()
         e = _CACHE[key] = _Entry(kernel, _tail(fn, len(args), consts))
     else:
-        e.run(*g3, driver.active.get_current_stream(dev), e.function, e.meta, None, None, None,
-              *args, *e.tail)
+        e.run(*g3, driver.active.get_current_stream(dev), e.function, *e.head, *args, *e.tail)
     return Planned(e, g3, (*args[plan:], *e.tail), dev, driver.active.get_current_stream) if plan else None
 
 
@@ -112,13 +125,13 @@ class Planned:
     checked per call, launch hooks included (a profiler installed later sees Triton-path launches
     only: set `enabled = False` to profile through hooks)."""
 
-    __slots__ = ("run", "function", "meta", "grid", "static", "dev", "stream")
+    __slots__ = ("run", "function", "head", "grid", "static", "dev", "stream")
 
     def __init__(self, e: _Entry, grid: tuple, static: tuple, dev, stream):
-        self.run, self.function, self.meta = e.run, e.function, e.meta
+        self.run, self.function, self.head = e.run, e.function, e.head
         self.grid, self.static, self.dev, self.stream = grid, static, dev, stream
 
     def __call__(self, *tensors) -> None:
         g = self.grid
-        self.run(g[0], g[1], g[2], self.stream(self.dev), self.function, self.meta, None, None, None,
-                 *tensors, *self.static)
+        self.run(g[0], g[1], g[2], self.stream(self.dev), self.function, *self.head, *tensors,
+                 *self.static)

@@ -117,3 +117,39 @@ def test_hooks_and_switch_take_tritons_path(fake, monkeypatch):
     monkeypatch.setattr(L, "enabled", False)
     L.launch(fn, (1,), x, x, 16, 1.0, A=1)
     assert (len(slow), len(kernel.launches)) == (3, 1)
+
+
+class _Launcher:
+    """Triton 3.6's CudaLauncher shape: __call__ allocates scratch, then calls `launch`."""
+
+    launch_cooperative_grid, launch_pdl, profile_scratch_size = False, True, 0
+
+    def __init__(self, scratch: int):
+        self.global_scratch_size, self.calls, self.direct = scratch, [], []
+        self.launch = lambda *a: self.direct.append(a)
+
+    def __call__(self, *a):
+        self.calls.append(a)
+
+
+@pytest.mark.parametrize("scratch", [0, 256])
+def test_scratch_free_kernels_take_the_compiled_launcher(fake, scratch):
+    """Without scratch memory the compiled launcher is called directly (its flags, no scratch
+    buffers, metadata, no hooks); a kernel that needs scratch keeps Triton's wrapper."""
+    fn, kernel, slow = fake
+    kernel.run = _Launcher(scratch)
+    x = torch.zeros(32, dtype=torch.float16)
+    L.launch(fn, (2,), x, x, 16, 1.0, A=1)
+    planned = L.launch(fn, (2,), x, x, 16, 1.0, A=1, plan=1)
+    planned(x[16:])
+    if scratch:
+        assert kernel.run.direct == []
+        calls, head = kernel.run.calls, (2, 1, 1, 1234, "fn-handle", "meta", None, None, None)
+    else:
+        assert kernel.run.calls == []
+        calls = kernel.run.direct
+        head = (2, 1, 1, 1234, "fn-handle", False, True, None, None, "meta", None, None, None)
+    n = len(head)
+    assert len(calls) == 2 and all(c[:n] == head for c in calls)
+    assert calls[0][n] is x and calls[1][n].data_ptr() == x[16:].data_ptr()  # the planned tensor
+    assert all(c[n + 1] is x and c[n + 2:] == (16, 1.0, 1, 7, "x") for c in calls)
