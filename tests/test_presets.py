@@ -30,9 +30,10 @@ def test_resolve_and_overrides():
 
 @pytest.mark.parametrize("name,gate", [("default", 2.7), ("balanced", 3.5), ("max", 5.0)])
 def test_preset_bytes_vs_f16(name, gate):
-    """Held bytes after a 256-token prompt (exact allocation), measured from the tensors."""
+    """Held bytes after a 2,047-token prompt (exact allocation; the gates are at 2k, where the
+    recent ring's fixed R rows per layer are counted), measured from the tensors."""
     model = _model()
-    ids = torch.randint(3, 120, (1, 256))
+    ids = torch.randint(3, 120, (1, 2047))
     caches = {}
     with torch.no_grad():
         for key, kw in (("f16", dict(k="f16", v="f16")), (name, dict(preset=name))):
@@ -40,6 +41,7 @@ def test_preset_bytes_vs_f16(name, gate):
             model(ids, past_key_values=caches[key], use_cache=True)
     p = PRESETS[name]
     assert (caches[name].k_type, caches[name].v_type) == (p.k, p.v)
+    assert caches[name].recent == p.recent and all(lay.ring is not None for lay in caches[name].layers)
     ratio = caches["f16"].nbytes() / caches[name].nbytes()
     assert ratio >= gate, (name, ratio)
 
@@ -74,3 +76,5 @@ def test_preset_budget_under_the_byte_gate(name, gate):
     (the measured bytes of such a cache: tests/hf/test_precision.py::test_held_bytes_match_chosen_types)."""
     assert PRESETS[name].bits is not None and 16 / PRESETS[name].bits >= gate
     assert PRESETS["default"].bits is None
+    # with the ring's R q8_0 rows (8.5 bits) per 2,047 stored rows at 2k: still over the gate
+    assert 16 / (PRESETS[name].bits + PRESETS[name].recent * 8.5 / 2047) >= gate

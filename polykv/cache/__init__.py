@@ -3,5 +3,6 @@
 from .accounting import storage_bytes
 from .layer import CompressedLayer
 from .pages import PagedRows, PageTable
+from .ring import RecentRing
 
-__all__ = ["CompressedLayer", "PageTable", "PagedRows", "storage_bytes"]
+__all__ = ["CompressedLayer", "PageTable", "PagedRows", "RecentRing", "storage_bytes"]

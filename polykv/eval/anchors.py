@@ -9,8 +9,9 @@ are overwritten by their exact values (`anchor="exact"`) or by their round trip 
 rotated for turbo K, rotated for turbo V). So it answers "what would a cache that holds these rows at
 `anchor` precision score" with the harness otherwise unchanged; `anchored_bits` gives the bits/value
 such a cache would store. It is not a storage format: the side rows are float32 and unbounded, and the
-fused (CUDA) path, which never decodes rows, is refused. docs/quality.md ("Anchors") has the figures
-and the design of the real thing.
+fused (CUDA) path, which never decodes rows, is refused. docs/quality.md ("Anchors") has the figures;
+the recent window now exists as storage (`KVCache(..., recent=R)`, `polykv.cache.ring`), and with
+anchor="q8_0" and no sinks its materialize path gives this simulation's floats (tests/hf/test_recent.py).
 
 Positions: row r of a layer's stored past is absolute position cumulative_length - new - past + r
 (sliding layers keep their last rows; positions of trimmed rows are never anchors there). A row is an
@@ -24,7 +25,6 @@ from dataclasses import dataclass
 import torch
 
 from ..codecs import check_codec_name, get_codec
-from ..codecs.rotation import rotate
 from ..hf.kv_cache import KVCache, _fused_available
 
 
@@ -70,6 +70,10 @@ class AnchoredKVCache(KVCache):
     """KVCache(model, ..., anchors=Anchors(...)): module docstring. Other arguments as KVCache."""
 
     def __init__(self, model, *args, anchors: Anchors, **kwargs):
+        kwargs.setdefault("recent", 0)
+        if kwargs["recent"]:
+            raise ValueError("AnchoredKVCache simulates anchors on a cache without a recent ring "
+                             f"(got recent={kwargs['recent']}); the ring is what it simulates")
         super().__init__(model, *args, **kwargs)
         self.anchors = anchors
         self._exact: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
@@ -102,12 +106,8 @@ class AnchoredKVCache(KVCache):
             if a.anchor != "exact":
                 c = get_codec(a.anchor, xk.shape[-1])
                 xk, xv = c.decode(c.encode(xk.contiguous())), c.decode(c.encode(xv.contiguous()))
-            if rotated[0] and store.k_codec.rotated:
-                if store.key_scales is not None:
-                    xk = xk * store.key_scales[None, :, None, :]
-                xk = rotate(xk, store.k_codec.group)
-            if rotated[1] and store.v_codec.rotated:
-                xv = rotate(xv, store.v_codec.group)
+            xk, xv = layer.attention_domain(xk, xv, rotated[0] and store.k_codec.rotated,
+                                            rotated[1] and store.v_codec.rotated)
             k, v = k.clone(), v.clone()
             k[:, :, idx] = xk.to(k.dtype)
             v[:, :, idx] = xv.to(v.dtype)

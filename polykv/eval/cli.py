@@ -52,6 +52,25 @@ ANCHORS_HELP = ("simulate anchors on the cache under test (measurement only, CPU
                 "the N rows before each chunk read at that precision; adds the JSON field 'anchors'")
 
 
+RECENT_HELP = ("recent window as storage: every layer's last N rows also held at q8_0 and read instead of "
+               "the layer codec's copy (KVCache(recent=N)); default: the preset's (0 with explicit --k / --v)")
+
+
+def _recent(preset: Optional[str], k: Optional[str], v: Optional[str], recent: Optional[int], anc) -> int:
+    """R of an eval command, as KVCache(model, preset=..., k=..., v=..., recent=...) picks it; 0 with
+    --anchors (the simulation runs on a cache without a ring; an explicit --recent with it is an error)."""
+    from ..presets import recent_for
+
+    if anc is not None:
+        if recent:
+            raise typer.BadParameter("--anchors simulates on a cache without a ring: drop --recent")
+        return 0
+    try:
+        return recent_for(preset, k, v, recent)
+    except ValueError as e:
+        raise typer.BadParameter(str(e)) from None
+
+
 def _anchors(spec: Optional[str]):
     if not spec:
         return None
@@ -145,6 +164,7 @@ def ppl(preset: Optional[str] = typer.Option(None, "--preset", help=PRESET_HELP)
         keep_layers_q8: int = typer.Option(0, "--keep-layers-q8", help="first/last n layers stored as q8_0"),
         precision: str = typer.Option("auto", "--precision", help=PRECISION_HELP),
         anchors: Optional[str] = typer.Option(None, "--anchors", help=ANCHORS_HELP + " (--method windows)"),
+        recent: Optional[int] = typer.Option(None, "--recent", min=0, help=RECENT_HELP),
         chunk: int = typer.Option(64, "--chunk", min=1, help="tokens per forward in the scored half "
                                   "(--method windows; 1: token by token, as decoding feeds them)"),
         skip_tokens: int = typer.Option(0, "--skip-tokens", min=0, help="start the windows after this many "
@@ -163,12 +183,14 @@ def ppl(preset: Optional[str] = typer.Option(None, "--preset", help=PRESET_HELP)
     anc = _anchors(anchors)
     if anc is not None and method != "windows":
         raise typer.BadParameter("--anchors is measured with --method windows only")
+    rec = _recent(preset, k_arg, v_arg, recent, anc)
     if (chunk != 64 or skip_tokens) and method != "windows":
         raise typer.BadParameter("--chunk / --skip-tokens apply to --method windows only")
     m, tok = _load(model, threads, device)
     run = eval_ppl if method == "windows" else eval_prefill_score
     ov, info = preset_overrides(m, preset, k_arg, v_arg, precision)
     extra = {"anchors": anc} if anc is not None else {}
+    extra["recent"] = rec
     if method == "windows":
         extra.update(chunk=chunk, skip_tokens=skip_tokens)
     r = run(m, tok, k, v, ctx, text=text, windows=windows, innerq=iq, keep_layers_q8=keep_layers_q8,
@@ -176,8 +198,8 @@ def ppl(preset: Optional[str] = typer.Option(None, "--preset", help=PRESET_HELP)
     r["preset"] = preset
     r["precision"] = info
     _emit(r, as_json, lambda r: _kv_table(f"ppl K {k} / V {v} @ {ctx}", r,
-                                          ["ppl", "ppl_ref", "delta_pct", "tokens", "windows", "kv_bytes",
-                                           "bits_per_value", "kv_bytes_held", "kv_bytes_f16",
+                                          ["ppl", "ppl_ref", "delta_pct", "tokens", "windows", "recent",
+                                           "kv_bytes", "kv_bytes_f16", "bytes_ratio", "bits_per_value", "kv_bytes_held", "kv_bytes_f16",
                                            "bytes_ratio_held", "bytes_ratio", "seconds"]))
 
 
@@ -193,6 +215,7 @@ def equiv(preset: Optional[str] = typer.Option(None, "--preset", help=PRESET_HEL
           keep_layers_q8: int = typer.Option(0, "--keep-layers-q8"),
           precision: str = typer.Option("auto", "--precision", help=PRECISION_HELP),
           anchors: Optional[str] = typer.Option(None, "--anchors", help=ANCHORS_HELP),
+          recent: Optional[int] = typer.Option(None, "--recent", min=0, help=RECENT_HELP),
           details: bool = typer.Option(False, "--details", help="per-prompt answers and divergences (field: prompts)"),
           threads: Optional[int] = typer.Option(None, "--threads"),
           device: Optional[str] = typer.Option(None, "--device", help=DEVICE_HELP),
@@ -203,13 +226,14 @@ def equiv(preset: Optional[str] = typer.Option(None, "--preset", help=PRESET_HEL
     from .equiv import eval_equiv
 
     anc = _anchors(anchors)
+    rec = _recent(preset, k_arg, v_arg, recent, anc)
     m, tok = _load(model, threads, device)
     from .common import load_prompts
 
     plist = load_prompts(prompts)[:limit] if limit else prompts
     ov, info = preset_overrides(m, preset, k_arg, v_arg, precision)
     r = eval_equiv(m, tok, k, v, prompts=plist, innerq=iq, keep_layers_q8=keep_layers_q8,
-                   max_new_tokens=max_new_tokens, overrides=ov, anchors=anc, details=details)
+                   max_new_tokens=max_new_tokens, overrides=ov, anchors=anc, details=details, recent=rec)
     r["preset"] = preset
     r["precision"] = info
     _emit(r, as_json, lambda r: _kv_table(f"equiv K {k} / V {v}", r,
@@ -233,6 +257,7 @@ def ruler(task: str = typer.Option("niah", "--task", help="niah, vt or codes (ra
           innerq: Optional[str] = typer.Option(None, "--innerq", help=INNERQ_HELP),
           precision: str = typer.Option("auto", "--precision", help=PRECISION_HELP),
           anchors: Optional[str] = typer.Option(None, "--anchors", help=ANCHORS_HELP),
+          recent: Optional[int] = typer.Option(None, "--recent", min=0, help=RECENT_HELP),
           threads: Optional[int] = typer.Option(None, "--threads"),
           device: Optional[str] = typer.Option(None, "--device", help=DEVICE_HELP),
           details: bool = typer.Option(False, "--details", help="add every sample's answers (field: items)"),
@@ -253,11 +278,12 @@ def ruler(task: str = typer.Option("niah", "--task", help="niah, vt or codes (ra
             raise typer.BadParameter(str(e)) from None
     ref = json.loads(reference.read_text(encoding="utf-8")) if reference is not None else None
     anc = _anchors(anchors)
+    rec = _recent(preset, k_arg, v_arg, recent, anc)
     m, tok = _load(model, threads, device)
     ov, info = preset_overrides(m, preset, k_arg, v_arg, precision)
     try:
         r = eval_ruler(m, tok, task, ctx, k, v, samples, seed, innerq=iq, text=text, details=details,
-                       reference=ref, overrides=ov, anchors=anc)
+                       reference=ref, overrides=ov, anchors=anc, recent=rec)
     except ValueError as e:
         raise typer.BadParameter(str(e)) from None
     r["preset"] = preset

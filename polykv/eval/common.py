@@ -77,17 +77,20 @@ def format_prompt(tok, context: str, question: str, answer_prefix: str = "") -> 
     return list(tok(context + "\n\nQuestion: " + question + "\nAnswer:" + tail)["input_ids"])
 
 
-def make_cache(model, k: str, v: str, innerq=None, keep_layers_q8: int = 0, overrides=None, anchors=None):
+def make_cache(model, k: str, v: str, innerq=None, keep_layers_q8: int = 0, overrides=None, anchors=None,
+               recent: int = 0):
     """overrides: {layer: (k, v)} per-layer types (e.g. a preset's calibrated precision policy);
-    anchors: polykv.eval.anchors.Anchors — simulated anchor rows (measurement only; None: a KVCache)."""
+    anchors: polykv.eval.anchors.Anchors — simulated anchor rows (measurement only; None: a KVCache);
+    recent: R, the recent window held as storage (`KVCache(..., recent=R)`)."""
     from ..hf.kv_cache import KVCache
 
     if anchors is not None:
         from .anchors import AnchoredKVCache
 
         return AnchoredKVCache(model, k=k, v=v, innerq=innerq, keep_layers_q8=keep_layers_q8,
-                               overrides=overrides, anchors=anchors)
-    return KVCache(model, k=k, v=v, innerq=innerq, keep_layers_q8=keep_layers_q8, overrides=overrides)
+                               overrides=overrides, anchors=anchors, recent=recent)
+    return KVCache(model, k=k, v=v, innerq=innerq, keep_layers_q8=keep_layers_q8, overrides=overrides,
+                   recent=recent)
 
 
 def model_device(model) -> torch.device:

@@ -90,13 +90,15 @@ def reference_runs(model, tok, prompts=None, max_new_tokens: int = DEFAULT_MAX_N
 @torch.inference_mode()
 def eval_equiv(model, tok, k: str = "q8_0", v: str = "turbo3", prompts=None, innerq=None,
                keep_layers_q8: int = 0, max_new_tokens: int = DEFAULT_MAX_NEW, progress: bool = True,
-               refs: list[dict] | None = None, details: bool = False, overrides=None, anchors=None) -> dict:
+               refs: list[dict] | None = None, details: bool = False, overrides=None, anchors=None,
+               recent: int = 0) -> dict:
     """Logit equivalence of K/V stored as k/v against f16 KV over needle prompts (DESIGN §7).
 
     prompts: JSONL path / list of {context, question, needle} / None (bundled needle_prompts.jsonl).
     refs: precomputed `reference_runs(...)` (same prompts) to skip the f16 runs.
     overrides: {layer: (k, v)} per-layer types (a preset's calibrated precision policy).
     anchors: `polykv.eval.anchors.Anchors` simulated on the cache under test (field "anchors").
+    recent: R, the recent window as storage on the cache under test (field "recent").
     Returns {real_frac, mean_tv, p95_tv, recall_mismatch, n, verdict, ...}."""
     t0 = time.time()
     if refs is None:
@@ -105,7 +107,7 @@ def eval_equiv(model, tok, k: str = "q8_0", v: str = "turbo3", prompts=None, inn
     tvs, n_real, mismatch, hits, per = [], 0, 0, 0, []
     for ref in _bar(refs, desc=f"equiv {k}/{v}", enabled=progress):
         cache = make_cache(model, k, v, innerq=innerq, keep_layers_q8=keep_layers_q8, overrides=overrides,
-                           anchors=anchors)
+                           anchors=anchors, recent=recent)
         first = prefill(model, cache, ref["ids"])
         forced_cache = copy.deepcopy(cache)
         # free-running greedy answer (recall)
@@ -141,6 +143,8 @@ def eval_equiv(model, tok, k: str = "q8_0", v: str = "turbo3", prompts=None, inn
     }
     if anchors is not None:
         out["anchors"] = anchors.as_dict()
+    if recent:
+        out["recent"] = recent
     if details:
         out["prompts"] = per
     return out

@@ -129,19 +129,20 @@ def score_prefill(model, cache, ids: list[int], frac: float = PREFIX_FRAC) -> di
 def eval_prefill_score(model, tok, k: str = "q8_0", v: str = "turbo3", ctx: int = 2048, text=None,
                        windows: int | None = 1, innerq=None, keep_layers_q8: int = 0,
                        frac: float = PREFIX_FRAC, progress: bool = True, skip_tokens: int = 0,
-                       overrides=None) -> dict:
+                       overrides=None, recent: int = 0) -> dict:
     """Perplexity by the reference's method (module docstring), K/V stored as k/v vs f16 KV.
     windows: consecutive ctx-token windows (default one: the first ctx tokens of the text).
     Returns {ppl, ppl_ref, delta_pct, tokens, kv_bytes_held, kv_bytes, kv_bytes_f16, bytes_ratio_held,
-    bytes_ratio, ...}; bytes are summed over windows. overrides: {layer: (k, v)} for the test cache."""
+    bytes_ratio, ...}; bytes are summed over windows. overrides: {layer: (k, v)} for the test cache;
+    recent: R, its recent window (`KVCache(..., recent=R)`)."""
     t0 = time.time()
     wins = corpus_windows(tok, load_text(text), ctx, 1 if windows is None else windows, skip_tokens)
     runs = {}
-    for key, (kk, vv, iq, keep, ov) in {"test": (k, v, innerq, keep_layers_q8, overrides),
-                                        "ref": ("f16", "f16", None, 0, None)}.items():
+    for key, (kk, vv, iq, keep, ov, rr) in {"test": (k, v, innerq, keep_layers_q8, overrides, recent),
+                                            "ref": ("f16", "f16", None, 0, None, 0)}.items():
         tot = {"nll": 0.0, "tokens": 0, "prefix": 0, "bytes_held": 0, "bytes": 0}
         for ids in _bar(wins, desc=f"prefill-score {kk}/{vv} ctx={ctx}", enabled=progress):
-            cache = make_cache(model, kk, vv, innerq=iq, keep_layers_q8=keep, overrides=ov)
+            cache = make_cache(model, kk, vv, innerq=iq, keep_layers_q8=keep, overrides=ov, recent=rr)
             r = score_prefill(model, cache, ids, frac)
             for f in tot:
                 tot[f] += r[f]
@@ -159,15 +160,16 @@ def eval_prefill_score(model, tok, k: str = "q8_0", v: str = "turbo3", ctx: int 
         "kv_bytes_held": t["bytes_held"], "kv_bytes": t["bytes"], "kv_bytes_f16": ref["bytes"],
         "kv_bytes_f16_held": ref["bytes_held"], "bytes_ratio_held": ref["bytes"] / t["bytes_held"],
         "bytes_ratio": ref["bytes"] / t["bytes"], "seconds": round(time.time() - t0, 1),
+        **({"recent": recent} if recent else {}),
     }
 
 
 def _run(model, tok, wins, k, v, innerq, keep_layers_q8, show, desc, overrides=None, anchors=None,
-         chunk: int = CHUNK):
+         chunk: int = CHUNK, recent: int = 0):
     nll, count, report = 0.0, 0, None
     for ids in _bar(wins, desc=desc, enabled=show):
         cache = make_cache(model, k, v, innerq=innerq, keep_layers_q8=keep_layers_q8, overrides=overrides,
-                           anchors=anchors)
+                           anchors=anchors, recent=recent)
         a, b = score_window(model, cache, ids, chunk)
         nll += a
         count += b
@@ -184,7 +186,7 @@ def _run(model, tok, wins, k, v, innerq, keep_layers_q8, show, desc, overrides=N
 def eval_ppl(model, tok, k: str = "q8_0", v: str = "turbo3", ctx: int = 2048, text=None,
              windows: int | None = None, innerq=None, keep_layers_q8: int = 0, progress: bool = True,
              ppl_ref: float | None = None, skip_tokens: int = 0, overrides=None, anchors=None,
-             chunk: int = CHUNK) -> dict:
+             chunk: int = CHUNK, recent: int = 0) -> dict:
     """Perplexity with K/V stored as k/v vs the f16 reference (DESIGN §7).
 
     text: file path or literal text (None: bundled Pride and Prejudice); windows: number of ctx
@@ -194,20 +196,24 @@ def eval_ppl(model, tok, k: str = "q8_0", v: str = "turbo3", ctx: int = 2048, te
     `polykv.eval.anchors.Anchors` simulated on the cache under test (adds the field "anchors":
     the spec and the bits/value stored / with the anchors held at their precision, last window);
     chunk: tokens fed per forward in the scored half (1: token by token, as decoding feeds them;
-    the reference uses the same; adds the field "chunk" when not the default 64).
+    the reference uses the same; adds the field "chunk" when not the default 64); recent: R, the
+    recent window as storage on the cache under test (`KVCache(..., recent=R)`; field "recent").
+    Bytes (last window, compacted, each from the caches' tensors): kv_bytes, and when the f16 reference
+    runs here (no ppl_ref), kv_bytes_f16 and bytes_ratio = kv_bytes_f16 / kv_bytes.
     Returns {ppl, ppl_ref, delta_pct, tokens, ...} (tokens = scored tokens)."""
     t0 = time.time()
     wins = corpus_windows(tok, load_text(text), ctx, windows, skip_tokens)
     nll, count, report = _run(model, tok, wins, k, v, innerq, keep_layers_q8, progress,
-                              f"ppl {k}/{v} ctx={ctx}", overrides, anchors, chunk)
+                              f"ppl {k}/{v} ctx={ctx}", overrides, anchors, chunk, recent)
     ppl = math.exp(nll / count)
+    f16_bytes = None
     if ppl_ref is None:
-        if (k, v) == ("f16", "f16") and not keep_layers_q8 and not overrides:
-            ppl_ref = ppl
+        if (k, v) == ("f16", "f16") and not keep_layers_q8 and not overrides and not recent:
+            ppl_ref, f16_bytes = ppl, report["kv_bytes"]
         else:
-            rn, rc, _ = _run(model, tok, wins, "f16", "f16", None, 0, progress, f"ppl f16 ctx={ctx}",
-                             chunk=chunk)
-            ppl_ref = math.exp(rn / rc)
+            rn, rc, rep = _run(model, tok, wins, "f16", "f16", None, 0, progress, f"ppl f16 ctx={ctx}",
+                               chunk=chunk)
+            ppl_ref, f16_bytes = math.exp(rn / rc), rep["kv_bytes"]
     return {
         "ppl": ppl, "ppl_ref": ppl_ref, "delta_pct": (ppl / ppl_ref - 1.0) * 100.0, "tokens": count,
         "k": k, "v": v, "ctx": ctx, "windows": len(wins), "innerq": bool(report and report["innerq"]),
@@ -217,6 +223,9 @@ def eval_ppl(model, tok, k: str = "q8_0", v: str = "turbo3", ctx: int = 2048, te
         "seconds": round(time.time() - t0, 1),
         **({"anchors": report["anchors"]} if anchors is not None and report else {}),
         **({"chunk": chunk} if chunk != CHUNK else {}),
+        **({"recent": recent} if recent else {}),
+        **({"kv_bytes_f16": f16_bytes, "bytes_ratio": f16_bytes / report["kv_bytes"]}
+           if f16_bytes and report and report["kv_bytes"] else {}),
     }
 
 

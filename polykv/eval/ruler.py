@@ -140,12 +140,12 @@ def make_samples(tok, task: str, ctx: int | None, samples: int | None, seed: int
 
 @torch.inference_mode()
 def _score(model, tok, items, k, v, innerq, keep_layers_q8, max_new, show,
-           match=None, overrides=None, anchors=None) -> tuple[list[bool], list[str]]:
+           match=None, overrides=None, anchors=None, recent: int = 0) -> tuple[list[bool], list[str]]:
     stop = stop_token_ids(tok, model)
     ok, answers = [], []
     for it in _bar(items, desc=f"ruler {k}/{v}", enabled=show):
         cache = make_cache(model, k, v, innerq=innerq, keep_layers_q8=keep_layers_q8, overrides=overrides,
-                           anchors=anchors)
+                           anchors=anchors, recent=recent)
         first = prefill(model, cache, it["ids"])
         toks, _ = decode_steps(model, cache, first, max_new, stop)
         ans = tok.decode(toks, skip_special_tokens=True)
@@ -170,14 +170,15 @@ def _breakdown(items, ok, ok_ref, key) -> dict:
 def eval_ruler(model, tok, task: str = "niah", ctx: int | None = 2048, k: str = "q8_0", v: str = "turbo3",
                samples: int | None = 20, seed: int = 0, innerq=None, keep_layers_q8: int = 0, text=None,
                progress: bool = True, max_new_tokens: int | None = None, details: bool = False,
-               reference: dict | None = None, overrides=None, anchors=None) -> dict:
+               reference: dict | None = None, overrides=None, anchors=None, recent: int = 0) -> dict:
     """RULER-style niah / vt at about `ctx` prompt tokens, or the codes set; returns {score,
     score_ref, samples, ...} (scores in % of samples answered exactly, reference = f16 KV).
     ctx / samples None: 2048 / 20 for niah and vt, every length / every prompt for codes.
     reference: the details=True result of an f16 run on the same samples (skips the f16 runs).
     codes add by_ctx and by_kind: {key: {n, correct, correct_ref, score, score_ref}}.
     overrides: {layer: (k, v)} per-layer types (a preset's calibrated precision policy).
-    anchors: `polykv.eval.anchors.Anchors` simulated on the cache under test (field "anchors")."""
+    anchors: `polykv.eval.anchors.Anchors` simulated on the cache under test (field "anchors").
+    recent: R, the recent window as storage on the cache under test (field "recent")."""
     t0 = time.time()
     items = make_samples(tok, task, ctx, samples, seed, text)
     for it in items:
@@ -185,14 +186,14 @@ def eval_ruler(model, tok, task: str = "niah", ctx: int | None = 2048, k: str = 
     max_new = max_new_tokens or {"niah": 12, "vt": 30, "codes": CODES_MAX_NEW}[task]
     match = code_found if task == "codes" else None
     ok, answers = _score(model, tok, items, k, v, innerq, keep_layers_q8, max_new, progress, match, overrides,
-                         anchors)
+                         anchors, recent)
     if reference is not None:
         ref_items = reference.get("items") or []
         if (reference.get("task"), reference.get("seed"), len(ref_items)) != (task, seed, len(items)) or any(
                 r["answers"] != it["answers"] for r, it in zip(ref_items, items)):
             raise ValueError("reference: not a details=True result on the same task, seed and samples")
         ok_ref, answers_ref = [r["ok"] for r in ref_items], [r["answer"] for r in ref_items]
-    elif (k, v) == ("f16", "f16") and not keep_layers_q8 and not overrides:
+    elif (k, v) == ("f16", "f16") and not keep_layers_q8 and not overrides and not recent:
         ok_ref, answers_ref = ok, answers
     else:
         ok_ref, answers_ref = _score(model, tok, items, "f16", "f16", None, 0, max_new, progress, match)
@@ -207,6 +208,8 @@ def eval_ruler(model, tok, task: str = "niah", ctx: int | None = 2048, k: str = 
     }
     if anchors is not None:
         out["anchors"] = anchors.as_dict()
+    if recent:
+        out["recent"] = recent
     if task == "codes":
         out["by_ctx"] = _breakdown(items, ok, ok_ref, "ctx")
         for key, d in out["by_ctx"].items():

@@ -68,8 +68,10 @@ def eval_tiers(model, tok, ctx: int = 2048, text=None, windows: int | None = Non
     ppl / equiv: compute those columns (the other ones are None); on_row(row): called per row.
     precision: for named balanced / max rows, as KVCache(preset=...): "auto" = per-layer types from
     the model's calibrated precision table when one exists, None = the fixed types, or a table path;
-    row["precision"] says which ("calibrated" / "fixed"; None for unnamed rows)."""
+    row["precision"] says which ("calibrated" / "fixed"; None for unnamed rows). Named rows carry
+    their preset's recent window (`Preset.recent`, row["recent"]) as KVCache(preset=...) does."""
     from ..hf.precision import preset_policy
+    from ..presets import PRESETS as NAMED
 
     t0 = time.time()
     presets = PRESETS if presets is None else presets
@@ -89,8 +91,9 @@ def eval_tiers(model, tok, ctx: int = 2048, text=None, windows: int | None = Non
     refs = reference_runs(model, tok, prompts, max_new_tokens, progress) if equiv else None
     rows = []
     for k, v, iq, *name in presets:
+        rec = NAMED[name[0]].recent if name and name[0] else 0
         row = {"k": k, "v": v, "innerq": bool(iq), "label": preset_label(k, v, iq),
-               "preset": name[0] if name else None, "precision": None}
+               "preset": name[0] if name else None, "precision": None, "recent": rec}
         ov = None
         if name and name[0]:
             ov, info = preset_policy(model, name[0], precision)
@@ -102,7 +105,7 @@ def eval_tiers(model, tok, ctx: int = 2048, text=None, windows: int | None = Non
         elif ppl:
             r = eval_ppl(model, tok, k, v, ctx, text, n_win, innerq=table if iq else None,
                          keep_layers_q8=keep_layers_q8, progress=progress, ppl_ref=ref["ppl"],
-                         overrides=ov)
+                         overrides=ov, recent=rec)
             row.update({"bits_per_value": r["bits_per_value"], "kv_bytes": r["kv_bytes"], "ppl": r["ppl"],
                         "ppl_delta_pct": r["delta_pct"]})
         else:
@@ -110,7 +113,7 @@ def eval_tiers(model, tok, ctx: int = 2048, text=None, windows: int | None = Non
         if equiv:
             e = eval_equiv(model, tok, k, v, innerq=table if iq else None,
                            keep_layers_q8=keep_layers_q8, max_new_tokens=max_new_tokens,
-                           progress=progress, refs=refs, overrides=ov)
+                           progress=progress, refs=refs, overrides=ov, recent=rec)
             row.update({"mean_tv": e["mean_tv"], "p95_tv": e["p95_tv"], "real_frac": e["real_frac"],
                         "recall_mismatch": e["recall_mismatch"], "verdict": e["verdict"]})
         else:

@@ -29,7 +29,7 @@ from pathlib import Path
 import torch
 from transformers.cache_utils import Cache, CacheLayerMixin
 
-from ..cache import CompressedLayer, storage_bytes
+from ..cache import CompressedLayer, RecentRing, storage_bytes
 from ..codecs import CODEC_NAMES, CodecError, InnerQTable, check_codec_name, get_codec
 from ..codecs.rotation import rotate, unrotate
 from .attention import activate, use_polykv_attention
@@ -138,7 +138,7 @@ class PolyKVLayer(CacheLayerMixin):
     supports_early_init = False
 
     def __init__(self, layout: LayerLayout, k: str, v: str, key_scales: torch.Tensor | None = None,
-                 device=None):
+                 device=None, recent: int = 0):
         super().__init__()
         self.layout = layout
         self.k_type, self.v_type = k, v
@@ -158,9 +158,17 @@ class PolyKVLayer(CacheLayerMixin):
         self.store: CompressedLayer | None = None
         self._past_rows = 0  # rows that were stored before the latest update (what `attend` decodes)
         self._trim_pending = False
+        # recent window (polykv.cache.ring): a sliding layer's ring never outgrows what it keeps
+        recent = int(recent)
+        if recent < 0:
+            raise ValueError(f"recent must be >= 0, got {recent}")
+        self.recent = min(recent, self.sliding_window - 1) if self.is_sliding else recent
+        self.ring: RecentRing | None = None
+        self._ring_pending: tuple | None = None  # (k, v, first position) not yet in the ring
 
     def __repr__(self):
-        return f"PolyKVLayer({self.k_type}/{self.v_type}, sliding={self.sliding_window})"
+        ring = f", recent={self.recent}" if self.recent else ""
+        return f"PolyKVLayer({self.k_type}/{self.v_type}, sliding={self.sliding_window}{ring})"
 
     # --- transformers layer API ------------------------------------------------------------
     def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
@@ -169,6 +177,8 @@ class PolyKVLayer(CacheLayerMixin):
             self.device = key_states.device
         b, h = key_states.shape[0], key_states.shape[1]
         self.store = CompressedLayer(self.k_codec, self.v_codec, b, h, self.device, self.key_scales)
+        if self.recent:
+            self.ring = RecentRing(self.recent, self.layout.head_dim, b, h, self.device)
         self.is_initialized = True
 
     def _check(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
@@ -187,9 +197,41 @@ class PolyKVLayer(CacheLayerMixin):
                              f"batch {self.store.batch}; use a fresh KVCache per batch")
 
     def apply_pending_trim(self) -> None:
+        """Work an update leaves for after its chunk's attention: the sliding trim and the ring
+        write (`flush_ring`)."""
+        self.flush_ring()
         if self._trim_pending and self.store is not None:
             self.store.trim(self.sliding_window - 1)
         self._trim_pending = False
+
+    def flush_ring(self) -> None:
+        """Write the latest update's rows into the ring. The materialize path flushes after its
+        attention (the chunk then reads the R rows before it from the ring and its own rows exact,
+        as the simulation did); the fused path before (it reads the chunk's rows stored, so the
+        ring then holds them: main [0, L - R) + ring [L - R, L))."""
+        if self._ring_pending is not None:
+            k, v, first = self._ring_pending
+            self._ring_pending = None
+            self.ring.write(k, v, first)
+
+    def ring_rows(self) -> int:
+        """Positions the ring holds now: the last min(R, positions written to it)."""
+        if self.ring is None:
+            return 0
+        pending = 0 if self._ring_pending is None else self._ring_pending[0].shape[2]
+        return min(self.recent, self.cumulative_length - pending)
+
+    def attention_domain(self, k: torch.Tensor, v: torch.Tensor, k_rot: bool, v_rot: bool):
+        """True-space rows k, v [B, H, T, D] -> the domain the materialize path attends in: turbo K
+        InnerQ-scaled and rotated, turbo V rotated (rotated results are float32; callers cast)."""
+        if k_rot:
+            if self.key_scales is not None:
+                # storage-domain keys are K*s (InnerQ): the query carries 1/s
+                k = k * self.key_scales.to(device=k.device, dtype=k.dtype)[None, :, None, :]
+            k = rotate(k, self.k_codec.group)
+        if v_rot:
+            v = rotate(v, self.v_codec.group)
+        return k, v
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
         self._check(key_states, value_states)
@@ -197,7 +239,10 @@ class PolyKVLayer(CacheLayerMixin):
             self.lazy_initialization(key_states, value_states)
         self.apply_pending_trim()
         self._past_rows = self.store.length
-        self.store.append(key_states.to(self.device), value_states.to(self.device))
+        k_dev, v_dev = key_states.to(self.device), value_states.to(self.device)
+        self.store.append(k_dev, v_dev)
+        if self.ring is not None:
+            self._ring_pending = (k_dev, v_dev, self.cumulative_length)
         self.cumulative_length += key_states.shape[-2]
         # Sliding layers keep the last window-1 rows, but only after this chunk has attended
         # (the chunk's first queries still see rows that the trim drops).
@@ -225,6 +270,7 @@ class PolyKVLayer(CacheLayerMixin):
         self.cumulative_length = 0
         self._past_rows = 0
         self._trim_pending = False
+        self._ring_pending = None  # the ring's slots hold no position until written again
 
     def offload(self):  # compressed storage stays where it is
         pass
@@ -243,13 +289,31 @@ class PolyKVLayer(CacheLayerMixin):
             return
         if self.is_sliding and self.cumulative_length >= self.sliding_window:
             raise RuntimeError("cannot crop a sliding-window layer after the window was reached")
+        self.flush_ring()
         self.store.truncate(self.store.length - n)
         self.cumulative_length -= n
         self._past_rows = min(self._past_rows, self.store.length)
+        self._refill_ring(n)
+
+    def _refill_ring(self, removed: int) -> None:
+        """After `removed` rows were cropped, the positions that re-enter the window had their slots
+        overwritten by the removed rows: write them again from the main storage (decoded from the
+        layer's codec, true space, then q8_0 — the exact rows are gone, so those rows read at about
+        the layer codec's precision until they leave the window)."""
+        if self.ring is None:
+            return
+        end = self.cumulative_length  # full layers (and sliding ones before the window): row = position
+        start, stop = max(0, end - self.recent), min(end, end + removed - self.recent)
+        if stop > start:
+            k, v = self.store.decode_rows(start, stop, torch.float32)
+            self.ring.write(k, v, start)
 
     def _select(self, index: torch.Tensor) -> None:
         if self.store is not None and self.store.k is not None:
+            self.flush_ring()
             self.store.select_batch(index.to(self.store.device))
+            if self.ring is not None:
+                self.ring.select_batch(index)
 
     def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
         self._select(beam_idx)
@@ -263,13 +327,15 @@ class PolyKVLayer(CacheLayerMixin):
 
     # --- polykv ----------------------------------------------------------------------------
     def nbytes(self) -> int:
-        return 0 if self.store is None else self.store.nbytes()
+        """Measured bytes of the main storage and the ring."""
+        return storage_bytes(self.tensors())
 
     def tensors(self) -> list[torch.Tensor]:
         s = self.store
         if s is None or s.k is None:
             return []
-        return [t for t in (s.k.codes, s.k.scales, s.v.codes, s.v.scales) if t is not None]
+        ring = [] if self.ring is None else self.ring.tensors()
+        return [t for t in (s.k.codes, s.k.scales, s.v.codes, s.v.scales) if t is not None] + ring
 
 
 class KVCache(Cache):
@@ -288,6 +354,10 @@ class KVCache(Cache):
                      types; or a table path / PrecisionTable. `self.precision` says which was used
                      ({"source": "calibrated" | "fixed", ...}; None without a preset). k_type / v_type
                      stay the preset's fixed pair; memory_report()["per_layer"] has the real types.
+    recent:          R, the recent window (issue K, `polykv.cache.ring`): every layer also holds its
+                     last R rows at q8_0, and attention reads those instead of the layer codec's copy
+                     (sliding layers: at most window - 1). None takes the preset's R when a preset is
+                     named or nothing is (`polykv.presets.recent_for`), 0 with explicit k= / v=.
 
     Constructing a KVCache switches `model` to the "polykv" attention implementation.
     """
@@ -295,11 +365,12 @@ class KVCache(Cache):
     def __init__(self, model, k: str | None = None, v: str | None = None, innerq=None, device=None,
                  keep_layers_q8: int = 0, rotated_attention: bool = True,
                  overrides: dict[int, tuple[str, str]] | None = None, preset: str | None = None,
-                 precision="auto"):
-        from ..presets import resolve
+                 precision="auto", recent: int | None = None):
+        from ..presets import recent_for, resolve
         from .precision import preset_precision
 
         fixed_by = "explicit k= / v=" if (k is not None or v is not None) else None
+        recent = recent_for(preset, k, v, recent)
         k, v, innerq = resolve(preset, k, v, innerq)
         policy, self.precision = preset_precision(model, preset, fixed_by, precision)
         check_codec_name(k)
@@ -325,9 +396,10 @@ class KVCache(Cache):
             except CodecError as e:
                 raise CodecError(f"layer {lay.index} (head_dim {lay.head_dim}): {e}") from None
             scales = table.layer(lay.index) if table is not None else None
-            layers.append(PolyKVLayer(lay, kt, vt, scales, device))
+            layers.append(PolyKVLayer(lay, kt, vt, scales, device, recent))
         super().__init__(layers=layers)
         self.k_type, self.v_type = k, v
+        self.recent = recent
         self.keep_layers_q8 = keep
         self.innerq = table if (table is not None and any(lay.key_scales is not None for lay in layers)) else None
         self.rotated_attention = bool(rotated_attention)
@@ -341,7 +413,10 @@ class KVCache(Cache):
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args,
                **kwargs):
         if self._static is not None:
-            self.layers[layer_idx].store.write_at(key_states, value_states, self._static[0])
+            layer = self.layers[layer_idx]
+            layer.store.write_at(key_states, value_states, self._static[0])
+            if layer.ring is not None:
+                layer.ring.write_at(key_states, value_states, self._static[0])
             activate(self)
             return key_states, value_states
         out = self.layers[layer_idx].update(key_states, value_states)
@@ -359,7 +434,12 @@ class KVCache(Cache):
         store = layer.store
         if self._static is not None:
             return self._attend_static(layer, query, scaling)
-        if query.shape[2] <= FUSED_MAX_QUERIES and _fused_available(query):
+        n_q = query.shape[2]
+        if n_q <= FUSED_MAX_QUERIES and _fused_available(query) and (
+                layer.ring is None or (n_q <= layer.recent and (n_q == 1 or not layer.is_sliding))):
+            # with a ring: the chunk must fit the window (the main segment is then wholly before
+            # every query), and a sliding layer's multi-query chunk needs per-query window starts
+            # in the main segment that the kernel has no argument for: both take the materialize path
             if query.shape[0] == 1:
                 return self._attend_fused(layer, query, scaling)
             if not layer.is_sliding and (attention_mask is None or attention_mask.dtype == torch.bool):
@@ -368,22 +448,24 @@ class KVCache(Cache):
         dtype = query.dtype
         k_rot = self.rotated_attention and layer.k_codec.rotated
         v_rot = self.rotated_attention and layer.v_codec.rotated
-        past_k, past_v = store.decode_rows(0, layer._past_rows, dtype, rotated=(k_rot, v_rot))
+        # with a ring, the last r rows before this chunk come from it (q8_0), the rest from the
+        # layer's codec; the ring's write of this chunk is still pending (flushed below)
+        r = layer.ring_rows()
+        past_k, past_v = store.decode_rows(0, layer._past_rows - r, dtype, rotated=(k_rot, v_rot))
+        if r:
+            end = layer.cumulative_length - n_q  # positions before this chunk
+            rk, rv = layer.attention_domain(*layer.ring.decode(end - r, end), k_rot, v_rot)
+            past_k = torch.cat([past_k, rk.to(dtype)], dim=2)
+            past_v = torch.cat([past_v, rv.to(dtype)], dim=2)
         past_k, past_v = past_k.to(query.device), past_v.to(query.device)
-        new_k, new_v = key, value
+        new_k, new_v = layer.attention_domain(key, value, k_rot, v_rot)
         q = query
         if layer.key_scales is not None and k_rot:
-            # storage-domain keys are K*s (InnerQ): scale the new rows alike, the query carries 1/s
             # (true-space decoding already divides by s, so nothing to do there)
             s = layer.key_scales.to(device=query.device, dtype=dtype)
-            new_k = new_k * s[None, :, None, :]
             q = q / s.repeat_interleave(q.shape[1] // s.shape[0], 0)[None, :, None, :]
         if k_rot:
-            g = layer.k_codec.group
-            q = rotate(q, g).to(dtype)
-            new_k = rotate(new_k, g).to(dtype)
-        if v_rot:
-            new_v = rotate(new_v, layer.v_codec.group).to(dtype)
+            q = rotate(q, layer.k_codec.group).to(dtype)
         k_all = torch.cat([past_k, new_k.to(dtype)], dim=2)
         v_all = torch.cat([past_v, new_v.to(dtype)], dim=2)
         out, _ = sdpa_attention_forward(module, q, k_all, v_all, attention_mask, scaling=scaling,
@@ -403,11 +485,56 @@ class KVCache(Cache):
         from ..kernels import dispatch
 
         store = layer.store
+        if layer.ring is not None:
+            layer.flush_ring()  # the ring holds this step's rows too: main [0, L - R) + ring [L - R, L)
+            out = self._attend_ring(layer, query, scaling, store.length, layer.cumulative_length,
+                                    kv_start)
+            layer.apply_pending_trim()
+            return out
         out, _ = dispatch.attention_decode(
             query, store.keys(), store.values(), layer.k_codec, layer.v_codec, causal=True,
             sm_scale=scaling, window=layer.sliding_window, k_innerq=layer.key_scales,
             kv_start=kv_start)
         layer.apply_pending_trim()
+        return out.transpose(1, 2)
+
+    def _attend_ring(self, layer: "PolyKVLayer", query: torch.Tensor, scaling, rows, end,
+                     kv_start: torch.Tensor | None) -> torch.Tensor:
+        """Fused attention of a layer with a ring, as two segments merged by LSE: the main storage's
+        rows [0, rows - R) in the layer's codec, every one before every query (n_q <= R, checked
+        by the gate), so not causal; and the ring's R slots gathered in position order (q8_0, true
+        space), causal, with query j at position end - n_q + j. rows / end: the stored rows and
+        positions (equal for full layers; a sliding layer stores only its last rows, and a
+        single query sees all of them) — host ints, or int32 [B] device tensors in a captured step.
+        kv_start int32 [B]: left padding, in rows = positions (full layers)."""
+        from ..kernels import dispatch
+
+        store, ring, R = layer.store, layer.ring, layer.recent
+        main_len = rows - R
+        rk, rv, first = ring.ordered(end)  # row i = position first + i; rows at positions < 0 unwritten
+        if isinstance(end, torch.Tensor):
+            ring_start = (-first).clamp_min(0) if kv_start is None else (kv_start - first).clamp_min(0)
+            ring_start = ring_start.to(torch.int32)
+        elif kv_start is None:
+            ring_start = None if first >= 0 else torch.full((query.shape[0],), -first, dtype=torch.int32,
+                                                            device=query.device)
+        else:
+            ring_start = (kv_start - first).clamp_min(0).to(torch.int32)
+        out_r, lse_r = dispatch.attention_decode(
+            query, rk, rv, ring.codec, ring.codec, causal=True, sm_scale=scaling, kv_start=ring_start)
+        if isinstance(main_len, torch.Tensor):
+            out_m, lse_m = dispatch.attention_decode(
+                query, store.k, store.v, layer.k_codec, layer.v_codec,
+                kv_lens=main_len.clamp_min(0).to(torch.int32), causal=False, sm_scale=scaling,
+                k_innerq=layer.key_scales, kv_start=kv_start)
+        elif main_len > 0:
+            sl = (slice(None), slice(None), slice(0, main_len))
+            out_m, lse_m = dispatch.attention_decode(
+                query, store.k.index(sl), store.v.index(sl), layer.k_codec, layer.v_codec,
+                causal=False, sm_scale=scaling, k_innerq=layer.key_scales, kv_start=kv_start)
+        else:
+            return out_r.transpose(1, 2)
+        out, _ = dispatch.merge_attention(out_m, lse_m, out_r, lse_r)
         return out.transpose(1, 2)
 
     def _attend_static(self, layer: "PolyKVLayer", query: torch.Tensor, scaling) -> torch.Tensor:
@@ -416,6 +543,9 @@ class KVCache(Cache):
         from ..kernels import dispatch
 
         store = layer.store
+        if layer.ring is not None:  # lengths stay device tensors: ring order gathered on the device
+            lens = self._static[1]
+            return self._attend_ring(layer, query, scaling, lens, lens, self._static[2])
         out, _ = dispatch.attention_decode(
             query, store.k, store.v, layer.k_codec, layer.v_codec, kv_lens=self._static[1],
             causal=True, sm_scale=scaling, window=None, k_innerq=layer.key_scales,
@@ -438,29 +568,35 @@ class KVCache(Cache):
                 layer.store.compact()
 
     def memory_report(self) -> dict:
-        """Measured bytes: kv_bytes (allocated storage), kv_bytes_used (payload of stored rows),
-        bits_per_value (used bytes x 8 / stored values), per-layer detail."""
+        """Measured bytes: kv_bytes (allocated storage, the recent rings included), kv_bytes_used
+        (payload of stored rows and of the rings' written slots), bits_per_value (used bytes x 8 /
+        values stored in the layers' codecs: a ring's rows are second copies), per-layer detail."""
         per_layer, used, values = [], 0, 0
         for layer in self.layers:
             st = layer.store
             rows = 0 if st is None else st.length
             u = 0 if st is None else st.used_nbytes()
+            ring_used = 0 if layer.ring is None else layer.ring.used_nbytes(layer.ring_rows())
             vals = 0 if st is None else 2 * st.batch * st.kv_heads * rows * st.head_dim
-            used += u
+            used += u + ring_used
             values += vals
-            per_layer.append({"layer": layer.layout.index, "k": layer.k_type, "v": layer.v_type,
-                              "sliding_window": layer.sliding_window, "rows": rows,
-                              "bytes": layer.nbytes(), "bytes_used": u})
+            row = {"layer": layer.layout.index, "k": layer.k_type, "v": layer.v_type,
+                   "sliding_window": layer.sliding_window, "rows": rows,
+                   "bytes": layer.nbytes(), "bytes_used": u + ring_used}
+            if layer.ring is not None:
+                row.update(recent=layer.recent, ring_bytes=layer.ring.nbytes())
+            per_layer.append(row)
         return {
-            "k": self.k_type, "v": self.v_type, "keep_layers_q8": self.keep_layers_q8,
+            "k": self.k_type, "v": self.v_type, "keep_layers_q8": self.keep_layers_q8, "recent": self.recent,
             "innerq": self.innerq is not None, "precision": self.precision, "layers": len(self.layers),
             "tokens": self.get_seq_length(), "kv_bytes": self.nbytes(), "kv_bytes_used": used,
             "bits_per_value": (used * 8 / values) if values else None, "per_layer": per_layer,
         }
 
     def __repr__(self):
+        ring = f", recent={self.recent}" if self.recent else ""
         return (f"KVCache(k={self.k_type!r}, v={self.v_type!r}, layers={len(self.layers)}, "
-                f"tokens={self.get_seq_length()}, bytes={self.nbytes()})")
+                f"tokens={self.get_seq_length()}, bytes={self.nbytes()}{ring})")
 
 
 __all__ = ["CODEC_NAMES", "KVCache", "LayerLayout", "PolyKVLayer", "UnsupportedModelError",

@@ -42,13 +42,15 @@ def test_resolve_kv_errors(preset, k, match):
 
 
 def test_ppl_preset_measures_the_preset_types(tiny, tok, tiny_dir):
-    """--preset max runs K turbo3 / V turbo2 (the same perplexity as eval_ppl with those types);
-    --v overrides the preset's V."""
+    """--preset max runs K turbo3 / V turbo2 with its recent window (the same perplexity as eval_ppl
+    with those types and R); --v overrides the preset's V."""
     from polykv.eval.ppl import eval_ppl
+    from polykv.presets import PRESETS
 
+    R = PRESETS["max"].recent
     r = run_json(["ppl", "--preset", "max", "--ctx", "128", "--windows", "1", "--model", tiny_dir])
-    assert (r["k"], r["v"], r["preset"]) == ("turbo3", "turbo2", "max")
-    direct = eval_ppl(tiny, tok, "turbo3", "turbo2", ctx=128, windows=1, progress=False)
+    assert (r["k"], r["v"], r["preset"], r.get("recent", 0)) == ("turbo3", "turbo2", "max", R)
+    direct = eval_ppl(tiny, tok, "turbo3", "turbo2", ctx=128, windows=1, progress=False, recent=R)
     assert r["ppl"] == pytest.approx(direct["ppl"], rel=1e-6)
     assert r["kv_bytes"] == direct["kv_bytes"]
     r = run_json(["ppl", "--preset", "max", "--v", "q8_0", "--ctx", "128", "--windows", "1", "--model", tiny_dir])

@@ -61,7 +61,10 @@ def test_calibrate_bits_then_preset(tiny_dir, cache_dir):
 
     want = PrecisionTable.load(r["precision_path"]).allocate(PRESETS["balanced"].bits)
     assert set(want.types) != {("turbo4", "turbo3")}  # else the check below could not tell
-    assert abs(row["bits_per_value"] - want.bits_achieved) < 1e-9
+    # + the preset's recent ring: min(R, rows) q8_0 rows (8.5 bits) per layer over the 63 rows stored
+    R = PRESETS["balanced"].recent
+    assert row["recent"] == R
+    assert abs(row["bits_per_value"] - want.bits_achieved - min(R, 63) * 8.5 / 63) < 1e-9
     # a budget below the cheapest types is refused with a message
     res = CliRunner().invoke(app, ["calibrate", "--model", tiny_dir, "--bits", "1.0", "--scored-tokens", "8",
                                    "--prefix-tokens", "16", "--json"])

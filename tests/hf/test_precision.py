@@ -147,12 +147,13 @@ def test_table_of_another_model_is_refused(cache_dir):
 
 @pytest.mark.parametrize("name", ["balanced", "max"])
 def test_held_bytes_match_chosen_types(cache_dir, name):
-    """After a prompt, the bytes KVCache holds are exactly the chosen types' packed bytes per layer,
-    the measured bits/value is the table's prediction, and the preset's byte gate vs f16 holds."""
+    """After a prompt, the bytes KVCache holds are exactly the chosen types' packed bytes per layer
+    plus the preset's recent ring (R q8_0 rows of K and V), the measured bits/value is the table's
+    prediction plus the ring's share, and the preset's byte gate vs f16 holds at 2k."""
     model = _model(layers=6, head_dim=64)
     table = _model_table(model)
     table.save(precision_path(model))
-    n = 301
+    n = 2047
     ids = torch.randint(3, 120, (1, n))
     caches = {}
     with torch.no_grad():
@@ -163,13 +164,18 @@ def test_held_bytes_match_chosen_types(cache_dir, name):
     c = caches[name]
     assert c.precision["source"] == "calibrated"
     types = table.allocate(PRESETS[name].bits).types
+    R, rings, values = PRESETS[name].recent, 0, 0
+    assert R > 0
     for lay, (k, v) in zip(c.layers, types):
         h, d = lay.layout.num_kv_heads, lay.layout.head_dim
         want = sum(p.nbytes() for p in (get_codec(k, d).empty((1, h, n)), get_codec(v, d).empty((1, h, n))))
-        assert lay.nbytes() == want, (lay.layout.index, k, v)
+        ring = 2 * get_codec("q8_0", d).empty((1, h, R)).nbytes()
+        assert lay.nbytes() == want + ring, (lay.layout.index, k, v)
+        rings += ring
+        values += 2 * h * n * d
     report = c.memory_report()
     assert report["precision"]["source"] == "calibrated"
-    assert abs(report["bits_per_value"] - table.average_bits(types)) < 1e-9
+    assert abs(report["bits_per_value"] - table.average_bits(types) - rings * 8 / values) < 1e-9
     gate = {"balanced": 3.5, "max": 5.0}[name]
     assert caches["f16"].nbytes() / c.nbytes() >= gate
 
