@@ -166,7 +166,7 @@ def test_fused_path_reads_main_then_ring(make, n, k, v, iq, monkeypatch):
     plain = decode_run(m, KVCache(m, k, v, innerq=table, rotated_attention=False), ids, 10, n)
     assert len(calls) == 12 * len(m.model.layers)  # every decode step of every layer took the ring path
     err = (got - ref).abs()
-    assert float(err.max()) < 1e-4, float(err.max())  # einsum vs SDPA rounding (measured <= 3e-6)
+    assert float(err.max()) < 1e-4, float(err.max())  # einsum vs SDPA rounding (measured <= 4.3e-6)
     assert float((plain - ref).abs().max()) > 30 * max(float(err.max()), 1e-5)
 
 
