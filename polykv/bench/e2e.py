@@ -431,14 +431,14 @@ def run_pool_decode(model, clock: Clock, *, agents, ctx: int, suffix_tokens: int
 # --- scenario b: KVCache drop-in --------------------------------------------------------------------
 @torch.no_grad()
 def _kv_polykv(clock: Clock, model, ids: torch.Tensor, k: str, v: str, chunk: int, warmup: int,
-               steps: int, graph: bool, trace: list | None = None) -> dict:
-    """KVCache at batch ids.shape[0]: chunked prefill, then decode steps through DecodeGraph
-    (graph=True) or eager forwards (`trace`: as in `_greedy_loop`)."""
+               steps: int, graph: bool, trace: list | None = None, recent: int = 0) -> dict:
+    """KVCache at batch ids.shape[0] (recent: its recent window, issue K): chunked prefill, then
+    decode steps through DecodeGraph (graph=True) or eager forwards (`trace`: as in `_greedy_loop`)."""
     from polykv.hf.kv_cache import KVCache
 
     b, ctx = ids.shape
     base = clock.start()
-    cache = KVCache(model, k=k, v=v)  # switches the model to polykv attention
+    cache = KVCache(model, k=k, v=v, recent=recent)  # switches the model to polykv attention
     logits, ms_prefill, _ = clock.call(lambda: prefill(model, cache, ids, chunk))
     if graph:
         from polykv.hf.graphs import DecodeGraph
@@ -469,7 +469,8 @@ def _eager_forward(model, cache, batch: int, ctx: int, device) -> Callable[[torc
     return forward
 
 
-def _kv_polykv_any(clock: Clock, model, ids, k, v, chunk, warmup, steps, log, trace: list | None = None) -> dict:
+def _kv_polykv_any(clock: Clock, model, ids, k, v, chunk, warmup, steps, log, trace: list | None = None,
+                   recent: int = 0) -> dict:
     """DecodeGraph when importable and working; otherwise eager, with the reason recorded."""
     try:
         from polykv.hf.graphs import DecodeGraph  # noqa: F401 - only probing
@@ -477,14 +478,15 @@ def _kv_polykv_any(clock: Clock, model, ids, k, v, chunk, warmup, steps, log, tr
         why = f"ImportError: {e}"
     else:
         try:
-            return _kv_polykv(clock, model, ids, k, v, chunk, warmup, steps, graph=True, trace=trace)
+            return _kv_polykv(clock, model, ids, k, v, chunk, warmup, steps, graph=True, trace=trace,
+                              recent=recent)
         except Exception as e:  # a broken capture must not hide the eager figure
             why = f"{type(e).__name__}: {e}"[:2000]
             log(f"kvcache_decode: DecodeGraph failed, eager instead\n{traceback.format_exc()}")
         clock.free()
         if trace is not None:
             trace.clear()
-    row = _kv_polykv(clock, model, ids, k, v, chunk, warmup, steps, graph=False, trace=trace)
+    row = _kv_polykv(clock, model, ids, k, v, chunk, warmup, steps, graph=False, trace=trace, recent=recent)
     row["polykv_graph_error"] = why
     return row
 
@@ -562,8 +564,9 @@ def _kv_static(clock: Clock, model, ids: torch.Tensor, chunk: int, warmup: int, 
 
 
 def run_kvcache_decode(model, clock: Clock, *, batches, ctx: int, k: str, v: str, warmup: int, steps: int,
-                       chunk: int, compile: bool, log) -> list[Row]:
-    """Scenario b (see module doc): one row per batch size (`agents` = batch)."""
+                       chunk: int, compile: bool, log, recents=()) -> list[Row]:
+    """Scenario b (see module doc): one row per batch size (`agents` = batch). recents: recent
+    windows R > 0 (issue K) also timed per row, as ms_polykv_recent{R} / speedup_recent{R}."""
     cfg = model.config
     dev = next(model.parameters()).device
     rows = []
@@ -578,6 +581,13 @@ def run_kvcache_decode(model, clock: Clock, *, batches, ctx: int, k: str, v: str
                 ("static", lambda: _kv_static(clock, model, ids, chunk, warmup, steps, compile, log))):
             log(f"kvcache_decode: batch {b}, {who}")
             _guard(row, who, lambda: row.update(fn()), clock)
+        for r in recents:
+            log(f"kvcache_decode: batch {b}, polykv recent={r}")
+            _guard(row, f"polykv_recent{r}", lambda: row.update(
+                {f"{key}_recent{r}": val for key, val in
+                 _kv_polykv_any(clock, model, ids, k, v, chunk, warmup, steps, log, recent=r).items()}),
+                clock)
+            _speedup(row, "ms_baseline", f"speedup_recent{r}", f"ms_polykv_recent{r}")
         _speedup(row, "ms_baseline", "speedup")
         _speedup(row, "ms_static_compile", "speedup_vs_static_compile")
         _speedup(row, "ms_static_eager", "speedup_vs_static_eager")
@@ -692,7 +702,7 @@ def bench_e2e(agents=DEFAULTS["agents"], ctx: int = DEFAULTS["ctx"], layers: int
               scenarios=SCENARIOS, k: str = DEFAULTS["k"], v: str = DEFAULTS["v"],
               suffix_tokens: int = DEFAULTS["suffix_tokens"], chunk: int = DEFAULTS["chunk"],
               device: str = "cuda", compile: bool | None = None, tiny: bool = False, out: str | None = None,
-              log: Callable[[str], None] | None = None) -> dict:
+              log: Callable[[str], None] | None = None, kv_recents=()) -> dict:
     """Run the scenarios (module doc) and return {rows, env, config, errors, seconds}. With `out`,
     writes out/gpu_e2e.json after every scenario and out/gpu_e2e.png at the end. compile=None: on
     for CUDA, off for CPU (inductor on a CPU toy only costs time). Logs go to stderr."""
@@ -709,7 +719,8 @@ def bench_e2e(agents=DEFAULTS["agents"], ctx: int = DEFAULTS["ctx"], layers: int
     clock = Clock(dev)
     result = dict(rows=[], errors=[], env=env_info(dev),
                   config=dict(agents=list(agents), ctx=ctx, layers=layers, kv_ctx=kv_ctx, kv_layers=kv_layers,
-                              kv_batches=list(kv_batches), steps=steps, warmup=warmup, scenarios=list(scenarios),
+                              kv_batches=list(kv_batches), kv_recents=list(kv_recents), steps=steps,
+                              warmup=warmup, scenarios=list(scenarios),
                               k=k, v=v, suffix_tokens=suffix_tokens, chunk=chunk, compile=compile, tiny=tiny,
                               dtype=str(dtype).replace("torch.", ""),
                               model=("tiny random Llama" if tiny else "random Llama-3-8B shape") +
@@ -731,7 +742,7 @@ def bench_e2e(agents=DEFAULTS["agents"], ctx: int = DEFAULTS["ctx"], layers: int
         prefill=lambda: run_prefill(model_for(layers), clock, ctx=ctx, k=k, v=v, chunk=chunk, log=log),
         kvcache_decode=lambda: run_kvcache_decode(model_for(kv_layers), clock, batches=list(kv_batches), ctx=kv_ctx,
                                                   k=k, v=v, warmup=warmup, steps=steps, chunk=chunk,
-                                                  compile=compile, log=log))
+                                                  compile=compile, log=log, recents=list(kv_recents)))
     for name in scenarios:
         s0 = time.perf_counter()
         try:
@@ -863,6 +874,7 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--kv-ctx", type=int, default=d["kv_ctx"])
     ap.add_argument("--kv-layers", type=int, default=d["kv_layers"])
     ap.add_argument("--kv-batches", default=",".join(map(str, d["kv_batches"])))
+    ap.add_argument("--kv-recent", default="", help="recent windows R > 0 also timed in kvcache_decode rows")
     ap.add_argument("--steps", type=int, default=d["steps"])
     ap.add_argument("--warmup", type=int, default=d["warmup"])
     ap.add_argument("--scenarios", default=",".join(SCENARIOS))
@@ -879,7 +891,7 @@ def main(argv: list[str] | None = None) -> dict:
                        kv_batches=_ints(a.kv_batches), steps=a.steps, warmup=a.warmup,
                        scenarios=tuple(filter(None, a.scenarios.split(","))), k=a.k, v=a.v,
                        suffix_tokens=a.suffix_tokens, chunk=a.chunk, device=a.device, compile=a.compile,
-                       tiny=a.tiny, out=a.out)
+                       tiny=a.tiny, out=a.out, kv_recents=_ints(a.kv_recent) if a.kv_recent else ())
     print(json.dumps(result, default=str) if a.json else format_e2e(result))
     return result
 

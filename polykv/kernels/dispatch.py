@@ -247,9 +247,8 @@ class _CascadeCall:
 
     def __call__(self, q, prefix_k, prefix_v, suffix_k, suffix_v, suffix_lens, s, suffix_pages):
         qp = _k()[0].planned_rows(self.prep, q, s, self.qp_shape)
-        out, lse = self.passes(qp, prefix_k, prefix_v, suffix_k, suffix_v,
-                               suffix_lens.to(device=q.device), suffix_pages)
-        return out.reshape(self.out_shape), lse.reshape(self.out_shape[:-1])
+        return self.passes(qp, prefix_k, prefix_v, suffix_k, suffix_v, suffix_lens.to(device=q.device),
+                           suffix_pages, self.out_shape)
 
 
 def gather_pages(pool: Packed, table: torch.Tensor, page_size: int) -> Packed:

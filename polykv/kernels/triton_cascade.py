@@ -144,7 +144,8 @@ def cascade_prepared(qp: torch.Tensor, n_q: int, prefix_k: Packed | None, prefix
     if rec is not None:
         ok = all(p is not None for p in sub)
         rec.append(CascadePasses(sub[0], sub[1] if suffix is not None else None, sub[-1],
-                                 (N, Hkv, M, D), out_dtype) if ok else None)
+                                 (N, Hkv, M, D), out_dtype, _prefix_lens(prefix_rows, qp.device))
+                   if ok else None)
     return out, lse
 
 
@@ -157,16 +158,20 @@ class CascadePasses(NamedTuple):
     combine: Planned
     shape: tuple  # qp's [N, Hkv, M, D]
     out_dtype: torch.dtype | None
+    prefix_lens: torch.Tensor  # int32 [1]: the prefix's rows
 
     def __call__(self, qp: torch.Tensor, prefix_k: Packed, prefix_v: Packed, suffix_k: Packed,
-                 suffix_v: Packed, suffix_lens: torch.Tensor, suffix_pages: torch.Tensor | None):
-        """What `cascade_prepared` computes for these tensors (the same launches and buffers)."""
+                 suffix_v: Packed, suffix_lens: torch.Tensor, suffix_pages: torch.Tensor | None,
+                 out_shape: tuple | None = None):
+        """What `cascade_prepared` computes for these tensors (the same launches and buffers);
+        out_shape: out [*out_shape] and lse [*out_shape[:-1]], the same rows (the caller's
+        [N, Hq, n_q, D]: no reshape per call)."""
         dev = qp.device
         w = self.prefix
         o_p = torch.empty(w.o_numel, dtype=torch.float32, device=dev)
         l_p = torch.empty(w.l_numel, dtype=torch.float32, device=dev)
         w.launch(qp, prefix_k.codes, prefix_k.scales, prefix_v.codes, prefix_v.scales,
-                 _prefix_lens(prefix_k.codes.shape[2], dev), o_p, l_p)
+                 self.prefix_lens, o_p, l_p)
         o_s, l_s = o_p, l_p  # never read without a suffix pass
         p = self.suffix
         if p is not None:
@@ -177,7 +182,8 @@ class CascadePasses(NamedTuple):
                      suffix_v.codes, suffix_v.codes if suffix_v.scales is None else suffix_v.scales,
                      p.kcent, p.vcent, lens, lens, p.pt if suffix_pages is None else suffix_pages,
                      o_s, l_s)
-        out = torch.empty(self.shape, dtype=self.out_dtype or torch.float32, device=dev)
-        lse = torch.empty(self.shape[:-1], dtype=torch.float32, device=dev)
+        out_shape = out_shape or self.shape
+        out = torch.empty(out_shape, dtype=self.out_dtype or torch.float32, device=dev)
+        lse = torch.empty(out_shape[:-1], dtype=torch.float32, device=dev)
         self.combine(o_p, l_p, o_s, l_s, out, lse)
         return out, lse

@@ -229,3 +229,17 @@ def test_kvcache_paths_decode_the_same_tokens(tiny_model, batch):
     row = _kv_polykv_any(clock, tiny_model, ids, "f16", "f16", 16, 1, 3, print, trace=ours)
     assert len(dyn) == 5 and dyn == static == ours, row.get("polykv_graph_error")
     assert len({t for step in dyn for t in step}) > 3
+
+
+def test_kvcache_rows_time_recent_windows_too(tmp_path):
+    """--kv-recent R: each kvcache_decode row also carries the KVCache with a recent window of R
+    rows (issue K) beside the same baselines."""
+    from polykv.bench.e2e import main
+
+    obj = main(["--device", "cpu", "--tiny", "--scenarios", "kvcache_decode", "--kv-ctx", "64",
+                "--kv-layers", "2", "--kv-batches", "1", "--steps", "2", "--warmup", "1", "--chunk", "32",
+                "--kv-recent", "8", "--out", str(tmp_path), "--json"])
+    (row,) = obj["rows"]
+    assert obj["errors"] == [] and obj["config"]["kv_recents"] == [8]
+    assert row["ms_polykv_recent8"] > 0 and row["kv_bytes_polykv_recent8"] > row["kv_bytes_polykv"]
+    assert row["speedup_recent8"] == pytest.approx(row["ms_baseline"] / row["ms_polykv_recent8"])
