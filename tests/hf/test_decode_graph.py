@@ -10,6 +10,23 @@ from polykv.hf import DecodeGraph, KVCache
 from ..pool.conftest import tiny_llama
 
 
+def decode_static_beside_plain(model, plain: list, static, ids: torch.Tensor, steps: torch.Tensor):
+    """Prefill each batch-1 cache of `plain` with its row of ids [B, T] and `static` with all B,
+    then decode steps [n, B, 1]: DecodeGraph's static step (capture=False) must equal the plain
+    caches' steps at every step. Returns the runner (its n steps used)."""
+    with torch.no_grad():
+        for i, c in enumerate(plain):
+            model(ids[i:i + 1], past_key_values=c, use_cache=True)
+        model(ids, past_key_values=static, use_cache=True)
+        runner = DecodeGraph(model, static, max_new_tokens=len(steps), capture=False)
+        assert runner.mode == "static"
+        for t in steps:
+            want = torch.cat([model(t[i:i + 1], past_key_values=c, use_cache=True).logits[:, -1]
+                              for i, c in enumerate(plain)]).float()
+            torch.testing.assert_close(runner.step(t), want, rtol=1e-4, atol=1e-4)
+    return runner
+
+
 @pytest.mark.parametrize("k,v,batch", [("q8_0", "turbo3", 1), ("turbo4", "turbo3", 2), ("f16", "f16", 1)])
 def test_static_decode_matches_plain_kvcache(k, v, batch, monkeypatch):
     # the plain caches decode through the fused path too (its torch reference here), so both read
@@ -21,19 +38,9 @@ def test_static_decode_matches_plain_kvcache(k, v, batch, monkeypatch):
     steps = torch.randint(3, 120, (6, batch, 1))
     plain = [KVCache(model, k=k, v=v) for _ in range(batch)]  # batch 1 each: the fused path
     static = KVCache(model, k=k, v=v)
-    with torch.no_grad():
-        for i, c in enumerate(plain):
-            model(ids[i:i + 1], past_key_values=c, use_cache=True)
-        model(ids, past_key_values=static, use_cache=True)
-        runner = DecodeGraph(model, static, max_new_tokens=len(steps), capture=False)
-        assert runner.mode == "static"
-        for t in steps:
-            want = torch.cat([model(t[i:i + 1], past_key_values=c, use_cache=True).logits[:, -1]
-                              for i, c in enumerate(plain)]).float()
-            got = runner.step(t)
-            torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
-        with pytest.raises(RuntimeError, match="max_new_tokens"):
-            runner.step(steps[0])
+    runner = decode_static_beside_plain(model, plain, static, ids, steps)
+    with torch.no_grad(), pytest.raises(RuntimeError, match="max_new_tokens"):
+        runner.step(steps[0])
     assert static.get_seq_length() == plain[0].get_seq_length() == 21 + len(steps)
     for i, c in enumerate(plain):
         for a, b in zip(c.layers, static.layers):

@@ -522,9 +522,14 @@ def test_gemma3_f16_generate_identical_past_window():
 
 
 
-_FUSED_SCRIPT = r"""
+def script_model(n_ids: int) -> str:
+    """The head of a fresh-process script (Triton's interpreter is fixed at import): a seeded
+    2-layer random Llama `model`, `ids` [1, n_ids], and `calls`, one entry per attention_decode."""
+    return r"""
 import json, sys, torch
 from transformers import LlamaConfig, LlamaForCausalLM
+import polykv.hf.kv_cache as kvc
+from polykv.hf import DecodeGraph
 from polykv.hf.kv_cache import KVCache
 from polykv.kernels import dispatch
 
@@ -532,11 +537,14 @@ cfg = LlamaConfig(hidden_size=128, intermediate_size=256, num_hidden_layers=2, n
                   num_key_value_heads=2, head_dim=64, vocab_size=300)
 torch.manual_seed(0)
 model = LlamaForCausalLM(cfg).eval()
-ids = torch.randint(0, 300, (1, 40))
+ids = torch.randint(0, 300, (1, %d))
 calls = []
 real = dispatch.attention_decode
 dispatch.attention_decode = lambda *a, **k: calls.append(1) or real(*a, **k)
+""" % n_ids
 
+
+_FUSED_SCRIPT = script_model(40) + r"""
 def decode_logits():
     cache = KVCache(model, k="q8_0", v="turbo3")
     with torch.inference_mode():

@@ -21,7 +21,8 @@ from polykv.eval.anchors import AnchoredKVCache, Anchors
 from polykv.hf.kv_cache import KVCache
 from polykv.presets import PRESETS, recent_for
 
-from .test_kv_cache import FakeQuantCache, chunked_logits, tiny_gemma, tiny_llama
+from .test_decode_graph import decode_static_beside_plain
+from .test_kv_cache import FakeQuantCache, chunked_logits, script_model, tiny_gemma, tiny_llama
 
 
 def innerq_for(model) -> InnerQTable:
@@ -198,8 +199,6 @@ def test_static_decode_with_ring_matches_plain_fused(batch, monkeypatch):
     """DecodeGraph's static step (device lengths, ring order gathered on the device, no host
     value) equals plain fused decoding; the prompt is shorter than R, so the steps cross the
     ring's first wrap and the start of the main segment."""
-    from polykv.hf import DecodeGraph
-
     monkeypatch.setattr(kvc, "_fused_available", lambda q: True)
     m = tiny_llama(layers=2)
     g = torch.Generator().manual_seed(6)
@@ -211,16 +210,7 @@ def test_static_decode_with_ring_matches_plain_fused(batch, monkeypatch):
     real = KVCache._attend_ring
     monkeypatch.setattr(KVCache, "_attend_ring", lambda self, layer, q, s, rows, end, ks: calls.append(
         isinstance(end, torch.Tensor)) or real(self, layer, q, s, rows, end, ks))
-    with torch.no_grad():
-        for i, c in enumerate(plain):
-            m(ids[i:i + 1], past_key_values=c, use_cache=True)
-        m(ids, past_key_values=static, use_cache=True)
-        runner = DecodeGraph(m, static, max_new_tokens=len(steps), capture=False)
-        assert runner.mode == "static"
-        for t in steps:
-            want = torch.cat([m(t[i:i + 1], past_key_values=c, use_cache=True).logits[:, -1]
-                              for i, c in enumerate(plain)]).float()
-            torch.testing.assert_close(runner.step(t), want, rtol=1e-4, atol=1e-4)
+    decode_static_beside_plain(m, plain, static, ids, steps)
     assert sum(calls) == len(steps) * 2  # the static steps took the device-length ring path
     for i, c in enumerate(plain):
         for a, b in zip(c.layers, static.layers):
@@ -228,23 +218,7 @@ def test_static_decode_with_ring_matches_plain_fused(batch, monkeypatch):
                                        rtol=0, atol=2e-2)
 
 
-_INTERP_SCRIPT = r"""
-import json, torch
-from transformers import LlamaConfig, LlamaForCausalLM
-import polykv.hf.kv_cache as kvc
-from polykv.hf import DecodeGraph
-from polykv.hf.kv_cache import KVCache
-from polykv.kernels import dispatch
-
-cfg = LlamaConfig(hidden_size=128, intermediate_size=256, num_hidden_layers=2, num_attention_heads=4,
-                  num_key_value_heads=2, head_dim=64, vocab_size=300)
-torch.manual_seed(0)
-model = LlamaForCausalLM(cfg).eval()
-ids = torch.randint(0, 300, (1, 48))
-calls = []
-real = dispatch.attention_decode
-dispatch.attention_decode = lambda *a, **k: calls.append(1) or real(*a, **k)
-
+_INTERP_SCRIPT = script_model(48) + r"""
 def run(k, v):
     cache = KVCache(model, k=k, v=v, recent=8)
     out = []

@@ -6,6 +6,9 @@ from polykv import SharedKVPool
 from polykv.spec.invariant import row_invariant
 from tests.pool.conftest import CharTok, tiny_llama
 
+DOC = "the quick brown fox jumps over the lazy dog while the cat sleeps. " * 6
+PROMPTS = ["abc", "the quick", "xyz brown fox", "lazy dog while", "q", "sleeps. the", "fox", "dog while the cat"]
+
 
 def spec_pool(doc):
     """(model, pool, doc id): a seeded tiny Llama, a character tokenizer, K q8_0 / V turbo3, and

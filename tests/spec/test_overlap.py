@@ -7,34 +7,18 @@ loop, suffix-tree drafts are those of a tree fed one step behind."""
 
 from __future__ import annotations
 
-import functools
-import random
 
 import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from polykv.pool import SharedKVPool, agents, decode_graph
+from polykv.pool import agents
 from polykv.spec import NgramIndex, PromptLookup, SpecConfig, Speculator, SuffixTree
 from polykv.spec.adaptive import StepTimes
 from polykv.spec.invariant import row_invariant
-from tests.spec.helpers import spec_pool
+from tests.spec.helpers import PROMPTS
 
-DOC = "the quick brown fox jumps over the lazy dog while the cat sleeps. " * 6
-PROMPTS = ["abc", "the quick", "xyz brown fox", "lazy dog while", "q", "sleeps. the", "fox", "dog while the cat"]
-
-
-@pytest.fixture(scope="module")
-def setup():
-    return spec_pool(DOC)
-
-
-@pytest.fixture
-def static_steps(monkeypatch):
-    """Batches build DecodeGraphs steps (capture=False): what a CUDA graph replays, eagerly."""
-    monkeypatch.setattr(decode_graph, "graphs_supported", lambda cache: True)
-    monkeypatch.setattr(decode_graph, "DecodeGraphs", functools.partial(decode_graph.DecodeGraphs, capture=False))
 
 
 def _run(pool, doc, overlap: bool, **kw):

@@ -9,15 +9,9 @@ import torch
 from polykv import SharedKVPool
 from polykv.spec.invariant import row_invariant
 from tests.pool.conftest import CharTok, tiny_llama
-from tests.spec.helpers import greedy_plain_and_spec, spec_pool
+from tests.spec.helpers import DOC, PROMPTS, greedy_plain_and_spec
 
-DOC = "the quick brown fox jumps over the lazy dog while the cat sleeps. " * 6
-PROMPTS = ["abc", "the quick", "xyz brown fox", "lazy dog while", "q", "sleeps. the"]
-
-
-@pytest.fixture(scope="module")
-def setup():
-    return spec_pool(DOC)
+PROMPTS = PROMPTS[:6]
 
 
 @pytest.mark.parametrize("method", ["prompt_lookup", "suffix_tree"])

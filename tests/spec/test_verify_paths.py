@@ -7,32 +7,16 @@ sampling stay token-identical to plain decoding."""
 
 from __future__ import annotations
 
-import functools
 import random
 
 import pytest
 import torch
 
 from polykv.generation import greedy_ids
-from polykv.pool import decode_graph
 from polykv.spec.invariant import row_invariant
 from polykv.spec.verify import accept_greedy
-from tests.spec.helpers import greedy_plain_and_spec, spec_pool
+from tests.spec.helpers import PROMPTS, greedy_plain_and_spec
 
-DOC = "the quick brown fox jumps over the lazy dog while the cat sleeps. " * 6
-PROMPTS = ["abc", "the quick", "xyz brown fox", "lazy dog while", "q", "sleeps. the", "fox", "dog while the cat"]
-
-
-@pytest.fixture(scope="module")
-def setup():
-    return spec_pool(DOC)
-
-
-@pytest.fixture
-def static_steps(monkeypatch):
-    """Batches build DecodeGraphs steps (capture=False): what a CUDA graph replays, eagerly."""
-    monkeypatch.setattr(decode_graph, "graphs_supported", lambda cache: True)
-    monkeypatch.setattr(decode_graph, "DecodeGraphs", functools.partial(decode_graph.DecodeGraphs, capture=False))
 
 
 @pytest.mark.parametrize("shape", [(1, 7), (5, 3), (4, 5, 33), (2, 1, 9)])
