@@ -108,6 +108,8 @@ class SharedKVPool:
         forward without a polykv cache).
     k, v: KV storage types (`polykv.codecs.CODEC_NAMES`), shared prefix and agent suffixes alike;
         they override `preset` ("default" = K q8_0 / V turbo3, "balanced", "max": polykv.presets).
+        A preset's recent window (`Preset.recent`, the last R rows also held at q8_0) is a
+        KVCache feature: the pool stores agents' rows in the preset's types only.
     overrides: {layer_index: (k, v)} per-layer types (`layer_types` lists every layer's pair).
     precision: for preset="balanced" / "max" without k= / v= / overrides=: "auto" (default) takes
         per-layer types from the model's calibrated precision table when one exists (`polykv
