@@ -33,3 +33,17 @@ def tiny_dir(tiny, tok, tmp_path_factory):
     tiny.save_pretrained(d)
     tok.save_pretrained(d)
     return str(d)
+
+
+def ppl_cli(model_dir: str, *options: str):
+    """`polykv eval ppl --k turbo3 --v turbo2 --ctx 128 --windows 1 OPTIONS --model DIR --json` through
+    typer's runner: (the result, its JSON object or None when the command failed)."""
+    import json
+
+    from typer.testing import CliRunner
+
+    from polykv.eval.cli import app
+
+    res = CliRunner().invoke(app, ["ppl", "--k", "turbo3", "--v", "turbo2", "--ctx", "128", "--windows", "1",
+                                   *options, "--model", model_dir, "--json"])
+    return res, (json.loads(res.stdout.strip().splitlines()[-1]) if res.exit_code == 0 else None)

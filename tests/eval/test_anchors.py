@@ -4,14 +4,13 @@ the positions table, the bits, the CLI field."""
 
 from __future__ import annotations
 
-import json
-
 import pytest
 import torch
 
 from polykv.codecs import InnerQTable, get_codec
 from polykv.eval.anchors import AnchoredKVCache, Anchors, anchor_rows, anchored_bits
 from polykv.eval.ppl import eval_ppl
+from tests.eval.conftest import ppl_cli
 
 
 @pytest.mark.parametrize("start, rows, sink, recent, want", [
@@ -93,18 +92,11 @@ def test_anchored_bits(tiny, tok):
 
 
 def test_cli_anchors(tiny_dir):
-    from typer.testing import CliRunner
-
-    from polykv.eval.cli import app
-
-    runner = CliRunner()
-    res = runner.invoke(app, ["ppl", "--k", "turbo3", "--v", "turbo2", "--ctx", "128", "--windows", "1",
-                              "--anchors", "recent=8,sink=2", "--model", tiny_dir, "--json"])
+    res, obj = ppl_cli(tiny_dir, "--anchors", "recent=8,sink=2")
     assert res.exit_code == 0, res.output
-    obj = json.loads(res.stdout.strip().splitlines()[-1])
     assert obj["anchors"]["recent"] == 8 and obj["anchors"]["anchor"] == "q8_0"
     assert obj["anchors"]["bits_per_value_anchored"] > obj["anchors"]["bits_per_value_stored"]
-    res = runner.invoke(app, ["ppl", "--anchors", "window=3", "--model", tiny_dir, "--json"])
+    res, _ = ppl_cli(tiny_dir, "--anchors", "window=3")
     assert res.exit_code != 0 and "anchors spec" in res.output
 
 

@@ -3,12 +3,11 @@ the simulation (`anchors=Anchors(recent=R)`), its bytes in kv_bytes, the f16 byt
 
 from __future__ import annotations
 
-import json
-
 import pytest
 
 from polykv.eval.anchors import Anchors
 from polykv.eval.ppl import eval_ppl
+from tests.eval.conftest import ppl_cli
 
 
 @pytest.mark.parametrize("k, v", [("turbo3", "turbo2"), ("q8_0", "turbo3")])
@@ -42,15 +41,8 @@ def test_equiv_decode_steps_read_the_ring(tiny, tok):
 
 
 def test_cli_recent(tiny_dir):
-    from typer.testing import CliRunner
-
-    from polykv.eval.cli import app
-
-    runner = CliRunner()
-    res = runner.invoke(app, ["ppl", "--k", "turbo3", "--v", "turbo2", "--ctx", "128", "--windows", "1",
-                              "--recent", "8", "--model", tiny_dir, "--json"])
+    res, obj = ppl_cli(tiny_dir, "--recent", "8")
     assert res.exit_code == 0, res.output
-    obj = json.loads(res.stdout.strip().splitlines()[-1])
     assert obj["recent"] == 8 and obj["bytes_ratio"] > 1
-    res = runner.invoke(app, ["ppl", "--recent", "8", "--anchors", "recent=8", "--model", tiny_dir, "--json"])
+    res, _ = ppl_cli(tiny_dir, "--recent", "8", "--anchors", "recent=8")
     assert res.exit_code != 0 and "drop --recent" in res.output
