@@ -113,6 +113,18 @@ def _prep_q(q: torch.Tensor, k_codec, k_innerq, hkv: int, rec: list | None = Non
     return q.reshape(B, hkv, (Hq // hkv) * n_q, D).contiguous()
 
 
+def _call_key(dec, kind: str, q: torch.Tensor, tensors: tuple, k_codec, v_codec, tune: dict,
+              *args) -> tuple:
+    """One key for a whole eager call (issue F: host time per call): what its planned launches
+    depend on — q's and the other tensors' views (`triton_decode._tkey`), the codecs, the tuning
+    and the call's other arguments."""
+    tk, ck = dec._tkey, dec._codec_key
+    return (kind, q.device, tk(q), *map(tk, tensors),
+            k_codec if isinstance(k_codec, str) else ck(k_codec),
+            v_codec if isinstance(v_codec, str) else ck(v_codec),
+            tuple(tune.items()) if tune else (), *args)
+
+
 def _rotates_q(k_codec, k_innerq) -> bool:
     return k_innerq is not None or getattr(k_codec, "rotated", False)
 
@@ -148,11 +160,8 @@ def attention_decode(q: torch.Tensor, k: Packed, v: Packed, k_codec, v_codec, *,
             else kv_lens.to(device=q.device, dtype=torch.int32).contiguous())
     key = None
     if dec._plannable(q.device):  # one key for the whole call (issue F: host time per call)
-        tk, ck = dec._tkey, dec._codec_key
-        key = (q.device, tk(q), tk(k.codes), tk(k.scales), tk(v.codes), tk(v.scales),
-               k_codec if isinstance(k_codec, str) else ck(k_codec),
-               v_codec if isinstance(v_codec, str) else ck(v_codec), tk(lens), causal,
-               sm_scale, window, tk(k_innerq), tk(kv_start), tuple(tune.items()) if tune else ())
+        key = _call_key(dec, "decode", q, (k.codes, k.scales, v.codes, v.scales, lens, k_innerq, kv_start),
+                        k_codec, v_codec, tune, causal, sm_scale, window)
         plan = dec._CALLS.get(key)
         if plan is not None:
             return plan(q, k, v, lens, k_innerq, kv_start)
@@ -208,14 +217,12 @@ def cascade_attention(q: torch.Tensor, prefix_k: Packed | None, prefix_v: Packed
     hkv = suffix_k.codes.shape[1]
     key = None
     if prefix_chunks is None and prefix_k is not None and dec._plannable(q.device):
-        tk, ck = dec._tkey, dec._codec_key  # one key for the whole call, as attention_decode's
-        key = (q.device, tk(q), tk(prefix_k.codes), tk(prefix_k.scales), tk(prefix_v.codes),
-               tk(prefix_v.scales), tk(suffix_k.codes), tk(suffix_k.scales), tk(suffix_v.codes),
-               tk(suffix_v.scales), tk(suffix_lens), tk(suffix_pages), page_size,
-               k_codec if isinstance(k_codec, str) else ck(k_codec),
-               v_codec if isinstance(v_codec, str) else ck(v_codec), sm_scale, tk(k_innerq),
-               tuple(tune.items()) if tune else ())
-        plan = dec._CALLS.get(("cascade", *key))
+        key = _call_key(dec, "cascade", q, (prefix_k.codes, prefix_k.scales, prefix_v.codes,
+                                             prefix_v.scales, suffix_k.codes, suffix_k.scales,
+                                             suffix_v.codes, suffix_v.scales, suffix_lens,
+                                             suffix_pages, k_innerq),
+                        k_codec, v_codec, tune, page_size, sm_scale)
+        plan = dec._CALLS.get(key)
         if plan is not None:
             return plan(q, prefix_k, prefix_v, suffix_k, suffix_v, suffix_lens, k_innerq,
                         suffix_pages)
@@ -231,8 +238,8 @@ def cascade_attention(q: torch.Tensor, prefix_k: Packed | None, prefix_v: Packed
                                     out_dtype=q.dtype, rec=rec, **tune)
     out, lse = out.reshape(N, Hq, n_q, D), lse.reshape(N, Hq, n_q)
     if key is not None and all(p is not None for p in rec):
-        dec._remember(("cascade", *key), _CascadeCall(rec[0] if len(rec) == 2 else None, rec[-1],
-                                                      tuple(qp.shape), (N, Hq, n_q, D)), dec._CALLS)
+        dec._remember(key, _CascadeCall(rec[0] if len(rec) == 2 else None, rec[-1],
+                                        tuple(qp.shape), (N, Hq, n_q, D)), dec._CALLS)
     return out, lse
 
 

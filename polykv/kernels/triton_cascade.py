@@ -14,11 +14,11 @@ fp32 rotation GEMM and a cast: five launches per layer and call). `_merge_kernel
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import torch
 import triton
 import triton.language as tl
-
-from typing import NamedTuple
 
 from ..codecs import Packed
 from .gluon_prefix import WsPlan, ws_ok, ws_prefix_parts
@@ -173,15 +173,9 @@ class CascadePasses(NamedTuple):
         w.launch(qp, prefix_k.codes, prefix_k.scales, prefix_v.codes, prefix_v.scales,
                  self.prefix_lens, o_p, l_p)
         o_s, l_s = o_p, l_p  # never read without a suffix pass
-        p = self.suffix
-        if p is not None:
-            lens = suffix_lens.to(torch.int32).contiguous()
-            o_s = torch.empty(p.o_numel, dtype=torch.float32, device=dev)
-            l_s = torch.empty(p.l_numel, dtype=torch.float32, device=dev)
-            p.launch(qp, suffix_k.codes, suffix_k.codes if suffix_k.scales is None else suffix_k.scales,
-                     suffix_v.codes, suffix_v.codes if suffix_v.scales is None else suffix_v.scales,
-                     p.kcent, p.vcent, lens, lens, p.pt if suffix_pages is None else suffix_pages,
-                     o_s, l_s)
+        if self.suffix is not None:
+            o_s, l_s, _ = self.suffix(qp, suffix_k, suffix_v, suffix_lens.to(torch.int32).contiguous(),
+                                      page_table=suffix_pages)
         out_shape = out_shape or self.shape
         out = torch.empty(out_shape, dtype=self.out_dtype or torch.float32, device=dev)
         lse = torch.empty(out_shape[:-1], dtype=torch.float32, device=dev)

@@ -450,6 +450,20 @@ class _DecodePlan(NamedTuple):
     vcent: torch.Tensor
     pt: torch.Tensor  # the page-table argument of unpaged launches (a placeholder)
 
+    def __call__(self, qp: torch.Tensor, k: Packed, v: Packed, kv_lens: torch.Tensor,
+                 kv_start: torch.Tensor | None = None,
+                 page_table: torch.Tensor | None = None) -> SplitParts:
+        """The planned split pass on these tensors (decode_parts' arguments, already int32 on the
+        device): fresh partial buffers, one launch."""
+        dev = qp.device
+        o_part = torch.empty(self.o_numel, dtype=torch.float32, device=dev)
+        l_part = torch.empty(self.l_numel, dtype=torch.float32, device=dev)
+        self.launch(qp, k.codes, k.codes if k.scales is None else k.scales, v.codes,
+                    v.codes if v.scales is None else v.scales, self.kcent, self.vcent, kv_lens,
+                    kv_lens if kv_start is None else kv_start,
+                    self.pt if page_table is None else page_table, o_part, l_part)
+        return SplitParts(o_part, l_part, self.n_splits)
+
 
 def decode_prepared(qp: torch.Tensor, n_q: int, k: Packed, v: Packed, k_codec, v_codec,
                     kv_lens: torch.Tensor, *, out_dtype: torch.dtype | None = None,
@@ -505,15 +519,9 @@ def decode_parts(qp: torch.Tensor, n_q: int, k: Packed, v: Packed, k_codec, v_co
                     vector_factors, split_len, max_split)
         p = _PLANS.get(plan_key)
         if p is not None:
-            o_part = torch.empty(p.o_numel, dtype=torch.float32, device=dev)
-            l_part = torch.empty(p.l_numel, dtype=torch.float32, device=dev)
-            p.launch(qp, k.codes, k.codes if k.scales is None else k.scales, v.codes,
-                     v.codes if v.scales is None else v.scales, p.kcent, p.vcent, kv_lens,
-                     kv_lens if kv_start is None else kv_start, p.pt if page_table is None else page_table,
-                     o_part, l_part)
             if rec is not None:
                 rec.append(p)
-            return SplitParts(o_part, l_part, p.n_splits)
+            return p(qp, k, v, kv_lens, kv_start, page_table)
     if impl == "auto":  # H200 v5 sweep: phase for decode-sized row tiles, tile for the cascade
         impl = ("phase" if M <= PHASE_MAX_ROWS and phase_ok(k_codec) and phase_ok(v_codec)
                 else "tile")
@@ -810,16 +818,10 @@ class CallPlan(NamedTuple):
         """What the full path computes for these tensors (the same launches, buffers and order):
         (out [*out_shape] out_dtype, lse float32 [*out_shape[:-1]])."""
         dev = q.device
-        qp = planned_rows(self.prep, q, s, self.qp_shape)
-        p = self.split
-        o_part = torch.empty(p.o_numel, dtype=torch.float32, device=dev)
-        l_part = torch.empty(p.l_numel, dtype=torch.float32, device=dev)
-        p.launch(qp, k.codes, k.codes if k.scales is None else k.scales, v.codes,
-                 v.codes if v.scales is None else v.scales, p.kcent, p.vcent, lens,
-                 lens if kv_start is None else kv_start, p.pt, o_part, l_part)
+        parts = self.split(planned_rows(self.prep, q, s, self.qp_shape), k, v, lens, kv_start)
         out = torch.empty(self.out_shape, dtype=self.out_dtype, device=dev)
         lse = torch.empty(self.out_shape[:-1], dtype=torch.float32, device=dev)
-        self.combine(o_part, l_part, o_part, l_part, out, lse)
+        self.combine(parts.o, parts.lse, parts.o, parts.lse, out, lse)
         return out, lse
 
 
