@@ -9,6 +9,9 @@
   A host-tier document (`polykv.pool.residency.HostLayer`) is read in chunks through a
   `PrefixStreamer` (`streamed_cascade_attention`): one copy per chunk per layer per forward, shared
   by every agent of the forward.
+* `recent=R` (issue K): each agent's last R suffix rows of every layer are also held at q8_0 and
+  read from there (`polykv.pool.ring`, whose docstring states the semantics): per query, the window
+  (p - R, p] of its own suffix; the shared prefix and the older suffix rows in the pool's codecs.
 
 It implements the polykv attention protocol (`polykv.hf.attention`): `update` marks the cache
 active and returns the new rows; `attend(module, query, ...)` returns [B, q_len, Hq, D].
@@ -24,6 +27,7 @@ from transformers.cache_utils import Cache
 from ..cache.accounting import storage_bytes
 from ..cache.layer import CompressedLayer
 from ..cache.pages import PagedRows, PageTable
+from ..codecs import Packed
 from ..hf.attention import activate
 from .attention import PrefixStreamer, cascade_attention, streamed_cascade_attention
 from .residency import HostLayer
@@ -70,7 +74,7 @@ class AgentCache(Cache):
 
     def __init__(self, doc_layers: list[CompressedLayer], prefix_start: list[int], doc_len: int,
                  windows: list[int | None], batch_capacity: int = 4, seq_capacity: int = 0,
-                 backend: str = "auto", page_size: int = PAGE_SIZE, device=None):
+                 backend: str = "auto", page_size: int = PAGE_SIZE, device=None, recent: int = 0):
         super().__init__(layers=[])
         self.doc_layers = doc_layers
         self.prefix_start = prefix_start
@@ -86,6 +90,19 @@ class AgentCache(Cache):
                       for d in doc_layers]
         self.lens = torch.zeros(0, dtype=torch.long)  # host: valid suffix rows per slot
         self._nbytes: tuple[int, int] | None = None
+        # recent windows (polykv.pool.ring): per layer R_l, a sliding layer's at most window - 1
+        recent = int(recent)
+        if recent < 0:
+            raise ValueError(f"recent must be >= 0, got {recent}")
+        self.recent = recent
+        self.ring_recent = [min(recent, w - 1) if w is not None else recent for w in windows]
+        self.rings = None
+        if recent:
+            from .ring import AgentRings
+
+            self.rings = AgentRings(self.ring_recent, [d.head_dim for d in doc_layers],
+                                    [d.kv_heads for d in doc_layers], 0, self.device)
+        self._segments: dict[int, tuple] = {}  # layer -> this forward's window segment (update -> attend)
         self.reserve(max(1, batch_capacity), seq_capacity)
         self._group: Group | None = None
 
@@ -97,7 +114,7 @@ class AgentCache(Cache):
     @property
     def storage_version(self) -> int:
         """Changes whenever a tensor the kernels read is reallocated (captured steps go stale)."""
-        return self.pages.version
+        return self.pages.version + (self.rings.version if self.rings is not None else 0)
 
     def reserve(self, batch_capacity: int, seq_capacity: int = 0) -> None:
         """Room for at least batch_capacity slots, and free pages for batch_capacity *
@@ -109,6 +126,14 @@ class AgentCache(Cache):
             lens = torch.zeros(b, dtype=torch.long)
             lens[: self.lens.numel()] = self.lens
             self.lens = lens
+        if self.rings is not None:
+            self.rings.reserve(b, 0, self.lens)
+
+    def reserve_ring_spare(self, drafts: int) -> None:
+        """Windows keep `drafts` spare rows per agent, so that rolling back that many rejected
+        drafts (+ the token before them) leaves them exact (`polykv.pool.ring`). No-op without."""
+        if self.rings is not None and int(drafts) > self.rings.spare:
+            self.rings.reserve(self.batch_capacity, int(drafts), self.lens)
 
     def reserve_rows(self, rows: list[int]) -> None:
         """Free pages for agents of rows[i] rows each, beyond the pages in use (allocated now, so
@@ -135,6 +160,8 @@ class AgentCache(Cache):
         """Agent slot `src` becomes slot `dst` (swap-remove compaction): its page-table row moves,
         no K/V row is copied; dst's pages are freed."""
         self.pages.move(src, dst)
+        if self.rings is not None:
+            self.rings.move(src, dst)  # C rows per layer copied (the window is not paged)
         self.lens[dst] = self.lens[src]
         self.lens[src] = 0
 
@@ -146,7 +173,9 @@ class AgentCache(Cache):
         rows = int(rows)
         if not 0 <= rows <= int(self.lens[slot]):
             raise ValueError(f"truncate: slot {slot} holds {int(self.lens[slot])} rows, cannot cut to {rows}")
+        old = int(self.lens[slot])
         self.lens[slot] = rows
+        self._refill_rings([slot], [old])
 
     def rollback(self, slots: list[int], rows: list[int]) -> None:
         """`truncate` of several slots at once: slot slots[i] loses its last rows[i] rows (one
@@ -155,7 +184,35 @@ class AgentCache(Cache):
         new = lens[slots] - rows
         if min(rows) < 0 or (new < 0).any():
             raise ValueError(f"rollback: cannot cut {rows} rows from slots {slots} of lengths {lens[slots].tolist()}")
+        old = lens[slots].tolist() if self.rings is not None else None
         lens[slots] = new
+        if old is not None:
+            self._refill_rings(list(slots), old)
+
+    def _refill_rings(self, slots: list[int], old: list[int]) -> None:
+        """After slots[i] was cut from old[i] rows to lens[slot]: positions its window needs that the
+        cut rows overwrote (a cut deeper than the spare rows + 1) are written again from the pages
+        (the pool's codec, decoded to true space, then q8_0; `polykv.pool.ring`)."""
+        if self.rings is None:
+            return
+        for slot, before in zip(slots, old):
+            now = int(self.lens[slot])
+            for li, lay in enumerate(self.rings.layers):
+                # held after the forward: [before - C, before); needed: [now - R, now)
+                need = list(range(max(0, now - lay.recent), min(now, before - lay.capacity)))
+                if need:
+                    k, v = self._decode_suffix_rows(li, slot, need)
+                    self.rings.refill(li, slot, need, k, v)
+
+    def _decode_suffix_rows(self, li: int, slot: int, positions: list[int]):
+        """True-space float32 k, v [Hkv, T, D] of `slot`'s suffix rows at `positions` (pages)."""
+        st = self.store[li]
+        rows = torch.tensor([self.pages.row(slot, p) for p in positions], device=self.device)
+        k = st.k_codec.decode(Packed(st.k.codes[:, rows], None if st.k.scales is None else st.k.scales[:, rows])).float()
+        v = st.v_codec.decode(Packed(st.v.codes[:, rows], None if st.v.scales is None else st.v.scales[:, rows])).float()
+        if st.key_scales is not None:
+            k = k / st.key_scales[:, None, :]
+        return k, v
 
     def clear_slot(self, slot: int) -> None:
         """Empty a slot and free its pages."""
@@ -185,8 +242,13 @@ class AgentCache(Cache):
         return self._nbytes[1]
 
     def tensors(self) -> list[torch.Tensor]:
-        """The suffix page pools of every layer."""
-        return [t for st in self.store for t in st.tensors()]
+        """The suffix page pools of every layer, and the agents' recent windows."""
+        ring = self.rings.tensors() if self.rings is not None else []
+        return [t for st in self.store for t in st.tensors()] + ring
+
+    def ring_tensors(self) -> list[torch.Tensor]:
+        """The agents' recent windows alone (memory_report's kv_bytes_ring)."""
+        return self.rings.tensors() if self.rings is not None else []
 
     def buffer_tensors(self) -> list[torch.Tensor]:
         """Device buffers of the prefix streamer (host-tier documents on CUDA; else none)."""
@@ -221,9 +283,11 @@ class AgentCache(Cache):
         g = self._group
         self.lens[g.slots] = g.new
         self._group = None
+        self._segments.clear()
 
     def abort(self) -> None:
         self._group = None
+        self._segments.clear()
 
     def positions(self) -> torch.Tensor:
         """position_ids [G, n_q] of the current group: doc_len + suffix index (pads clamped)."""
@@ -239,10 +303,18 @@ class AgentCache(Cache):
         g = self._group
         if g.rows.numel():
             self.store[layer_idx].write(key_states, value_states, g.rows)
+            if self.rings is not None:
+                sel = g.sel
+                slots = (torch.arange(sel.start, sel.stop, device=self.device) if isinstance(sel, slice)
+                         else sel)
+                self._segments[layer_idx] = self.rings.write(
+                    layer_idx, key_states, value_states, slots, g.lens, g.rows != self.scratch_row())
         return key_states, value_states
 
     def attend(self, module, query, key, value, attention_mask, scaling=None, **kwargs):
         li = module.layer_idx
+        if self.rings is not None:
+            return self._attend_ring(li, query, scaling)
         g = self._group
         doc = self.doc_layers[li]
         sk, sv = self.store[li].pool()
@@ -261,3 +333,53 @@ class AgentCache(Cache):
             suffix_pages=self.pages.device_table()[g.sel], page_size=self.pages.page_size,
             suffix_rows=g.seq)
         return out.transpose(1, 2)
+
+    def _attend_ring(self, li: int, query, scaling):
+        """Attention of a layer with recent windows (`polykv.pool.ring`): the window segment that
+        `update` built (q8_0, causal, window R_l) merged by LSE with the rest — on full-attention
+        layers one cascade with suffix lengths L - R_l (query j at p_j - R_l: it sees suffix rows
+        <= p_j - R_l, and the whole prefix); on sliding layers the prefix pass (a 0-row suffix, the
+        real lengths place the queries) and the older suffix rows (window W - R_l) separately."""
+        from ..kernels import dispatch
+
+        g = self._group
+        doc = self.doc_layers[li]
+        R, W = self.ring_recent[li], self.windows[li]
+        seg_k, seg_v, seg_start = self._segments.pop(li)
+        ring = self.rings.layers[li]
+        out_r, lse_r = dispatch.attention_decode(query, seg_k, seg_v, ring.codec, ring.codec, causal=True,
+                                                 sm_scale=scaling, window=R, kv_start=seg_start)
+        sk, sv = self.store[li].pool()
+        lens = g.lens.to(device=query.device, dtype=torch.int32)
+        main = (lens - R).clamp_min(0)
+        table = self.pages.device_table()[g.sel]
+        P = self.pages.page_size
+        common = dict(sm_scale=scaling, k_innerq=doc.key_scales, window=W, prefix_start=self.prefix_start[li],
+                      prefix_end=self.doc_len, backend=self.backend)
+        if W is None:
+            paged = dict(suffix_pages=table, page_size=P, suffix_rows=g.seq)
+            if self.streamed:
+                out_m, lse_m = streamed_cascade_attention(query, self.streamer.chunks(doc), sk, sv, main,
+                                                          doc.k_codec, doc.v_codec, **common, **paged)
+            else:
+                out_m, lse_m = cascade_attention(query, doc.keys(), doc.values(), sk, sv, main, doc.k_codec,
+                                                 doc.v_codec, **common, **paged)
+        else:
+            none = (slice(None), slice(None), slice(0, 0))
+            ek, ev = sk.index(none), sv.index(none)  # a 0-row suffix: the prefix pass alone
+            if self.streamed:
+                out_m, lse_m = streamed_cascade_attention(query, self.streamer.chunks(doc), ek, ev, lens,
+                                                          doc.k_codec, doc.v_codec, **common)
+            else:
+                out_m, lse_m = cascade_attention(query, doc.keys(), doc.values(), ek, ev, lens, doc.k_codec,
+                                                 doc.v_codec, **common)
+            rows = max(1, int(g.seq))
+            n_pages = -(-rows // P)
+            dk, dv = (dispatch.gather_pages(p, table[:, :n_pages], P).index(
+                (slice(None), slice(None), slice(0, rows))) for p in (sk, sv))
+            out_s, lse_s = dispatch.attention_decode(query, dk, dv, doc.k_codec, doc.v_codec, kv_lens=main,
+                                                     causal=True, sm_scale=scaling, window=W - R,
+                                                     k_innerq=doc.key_scales)
+            out_m, lse_m = dispatch.merge_attention(out_m, lse_m, out_s, lse_s)
+        out, _ = dispatch.merge_attention(out_m, lse_m, out_r, lse_r)
+        return out.to(query.dtype).transpose(1, 2)

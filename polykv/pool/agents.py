@@ -52,6 +52,12 @@ Semantics
   fresh table's order, the same pools, so the captured steps stay valid and its outputs equal a
   fresh batch's. Sampling rows are per batch (never reused). `graph_captures` counts this batch's
   own captures.
+* Recent windows (`SharedKVPool(recent=R)` / a preset's R; `polykv.pool.ring`): each agent's last
+  R suffix rows per layer are also held at q8_0 and every query reads its own window (p - R, p]
+  from there. `expect_drafts(k)` (and `feed_drafts` beyond it) gives the windows k spare rows, so a
+  rollback of rejected drafts keeps them exact; a removed agent's window rows are copied with the
+  slot move. On CUDA such a batch runs its steps eagerly (no captured graphs yet:
+  `decode_graph.graphs_supported`).
 * A batch is not thread-safe by itself; use one batch per thread (the pool is thread-safe).
 """
 
@@ -105,7 +111,7 @@ class AgentBatch:
         else:
             self.cache = AgentCache(doc.layers, doc.prefix_start, doc.length, pool._windows,
                                     batch_capacity=capacity or 4, seq_capacity=seq_capacity or 0,
-                                    backend=backend, device=pool.device)
+                                    backend=backend, device=pool.device, recent=getattr(pool, "recent", 0))
         if graphs and self._graphs is None:
             from .decode_graph import DecodeGraphs, graphs_supported
 
@@ -184,6 +190,10 @@ class AgentBatch:
         every width 1..k+1 of its bucket on its first step (`DecodeGraphs.expect_columns`) instead
         of capturing a width when it is first used mid-run. No effect without captured steps."""
         self._check_open()
+        if k > 0:  # recent windows keep k spare rows: a rollback of rejected drafts stays exact
+            version = self.cache.storage_version
+            self.cache.reserve_ring_spare(int(k))
+            self._grown(version)
         if self._graphs is not None and k > 0:
             self._graphs.expect_columns(int(k) + 1)
 
@@ -219,6 +229,10 @@ class AgentBatch:
                     raise ValueError(f"agent {aid}: drafts need a pending token to follow")
                 a.pending += map(int, ds)
                 a.drafts += len(ds)
+                if self.cache.rings is not None and a.drafts > self.cache.rings.spare:
+                    version = self.cache.storage_version
+                    self.cache.reserve_ring_spare(a.drafts)  # expect_drafts did not cover it
+                    self._grown(version)
 
     def remove(self, aid: int) -> None:
         """Drop an agent and free its suffix slot."""

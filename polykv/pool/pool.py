@@ -108,8 +108,12 @@ class SharedKVPool:
         forward without a polykv cache).
     k, v: KV storage types (`polykv.codecs.CODEC_NAMES`), shared prefix and agent suffixes alike;
         they override `preset` ("default" = K q8_0 / V turbo3, "balanced", "max": polykv.presets).
-        A preset's recent window (`Preset.recent`, the last R rows also held at q8_0) is a
-        KVCache feature: the pool stores agents' rows in the preset's types only.
+    recent: R, the agents' recent window (issue K, `polykv.pool.ring`): each agent's last R suffix
+        rows of every layer are also held at q8_0, and each query reads its own last R rows from
+        there (the shared prefix and older suffix rows in the pool's types). None takes the
+        preset's R when a preset is named or nothing is (`polykv.presets.recent_for`), 0 with
+        explicit k= / v= (as KVCache). The document's tail is never in a window (module doc of
+        polykv.pool.ring); a saved pool does not record R (pass recent= to `load`).
     overrides: {layer_index: (k, v)} per-layer types (`layer_types` lists every layer's pair).
     precision: for preset="balanced" / "max" without k= / v= / overrides=: "auto" (default) takes
         per-layer types from the model's calibrated precision table when one exists (`polykv
@@ -156,14 +160,15 @@ class SharedKVPool:
                  progress: bool | None = None, preset: str | None = None,
                  gpu_budget_bytes: int | None = None, host_budget_bytes: int | None = None,
                  stream_chunk_rows: int = 16384, overrides: dict[int, tuple[str, str]] | None = None,
-                 precision="auto"):
+                 precision="auto", recent: int | None = None):
         from ..hf.attention import use_polykv_attention
         from ..hf.layout import kv_layout
-        from ..presets import resolve
+        from ..presets import recent_for, resolve
 
         from ..hf.precision import preset_precision
 
         by_hand = k is not None or v is not None or overrides
+        self.recent = recent_for(preset, k, v, recent)
         k, v, innerq = resolve(preset, k, v, innerq)
         # as KVCache.precision: a preset's calibrated or fixed types (None without a preset)
         policy, self.precision = preset_precision(model, preset, "explicit k= / v= / overrides=" if by_hand
@@ -848,7 +853,9 @@ class SharedKVPool:
         """Measured bytes (DESIGN §7: untyped_storage().nbytes(), each storage once).
 
         kv_bytes_shared: every resident document's compressed prefix
-        kv_bytes_agents: live suffix storage of all open batches (allocated capacity included)
+        kv_bytes_agents: live suffix storage of all open batches (allocated capacity included), the
+            agents' recent windows included
+        kv_bytes_ring: of which the recent windows (`recent`: R; 0 without windows)
         kv_bytes_naive_f16: one real f16 DynamicCache per resident document, measured at prefill
             (the single-agent naive figure; N-agent naive figures are measured by
             `polykv.bench.fanout`, which really allocates the N copies)
@@ -869,6 +876,7 @@ class SharedKVPool:
             naive = sum(d.naive_f16_bytes for d in docs)
             gpu, host = (storage_bytes(self._tier_tensors(t)) for t in ("gpu", "host"))
             buffers = storage_bytes([t for b in batches for t in b.cache.buffer_tensors()])
+            ring = storage_bytes([t for b in batches for t in b.cache.ring_tensors()])
             tiers = {t: sum(d.tier == t for d in self._docs.values()) for t in TIERS}
             parked = self._parked()
             return dict(kv_bytes_shared=shared, kv_bytes_agents=agents, kv_bytes_naive_f16=naive,
@@ -881,6 +889,7 @@ class SharedKVPool:
                         documents=len(self._docs), resident_documents=len(docs),
                         open_batches=len(batches), agents=sum(len(b) for b in batches),
                         kv_bytes_agents_peak=max(self.peak_agent_bytes, agents),
+                        kv_bytes_ring=ring, recent=self.recent,
                         k=self.k_type, v=self.v_type, precision=self.precision,
                         naive_basis="one measured f16 DynamicCache per document (single agent)")
 

@@ -137,7 +137,8 @@ def test_memory_report_counts_live_agents(tiny):
         pages = b.cache.pages
         assert pages.used_pages() == pages.n_pages == 3
         rows = 3 * pages.page_size + 1
-        assert rep["kv_bytes_agents"] == rep["kv_bytes_shared"] * rows // len(DOC)
+        # (the default preset's recent windows are agent storage too, measured apart: test_ring_pool)
+        assert rep["kv_bytes_agents"] - rep["kv_bytes_ring"] == rep["kv_bytes_shared"] * rows // len(DOC)
     assert pool.memory_report()["kv_bytes_agents"] == 0
 
 

@@ -81,7 +81,7 @@ def test_mixed_layers_generate_like_the_same_overrides(cache_dir):
     table.save(precision_path(model))
     cal = SharedKVPool(model, tok, preset="max")
     hand = SharedKVPool(model, tok, k="turbo3", v="turbo2", innerq=None,
-                        overrides=dict(enumerate(cal.layer_types)))
+                        overrides=dict(enumerate(cal.layer_types)), recent=cal.recent)
     assert hand.layer_types == cal.layer_types
     logits = []
     for pool in (cal, hand, SharedKVPool(model, tok, preset="max", precision=None)):

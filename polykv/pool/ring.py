@@ -1,0 +1,195 @@
+"""The agents' recent windows: each agent's last R suffix rows of every layer held at q8_0 (issue K).
+
+`polykv.cache.ring.RecentRing` gives a KVCache its window; this module gives the same to the pool's
+agents (`AgentCache(recent=R)`, `SharedKVPool(recent=...)` / a preset's `recent`). Semantics, on
+suffix positions (suffix row j sits at absolute position doc_len + j):
+
+* A query at suffix position p reads its rows (p - R, p] ∩ [0, p] from the window (q8_0, true
+  space: keys neither InnerQ-scaled nor rotated) and every other row — the whole shared prefix and
+  its suffix rows [0, p - R] — in the pool's codecs, exactly as without a window. The window is per
+  query, not per forward: a forward of n_q columns (a prompt, a multi-token feed, a speculative
+  verify step) reads what n_q one-token steps would read, so speculation stays lossless under
+  greedy and feeding tokens one by one or together gives the same attention inputs.
+* Suffix rows only: the shared prefix is one copy read by every agent in one pass, which cannot
+  exclude rows per agent, so the document's tail is never in a window — an agent whose suffix is
+  shorter than R has a window of just its suffix rows.
+* Sliding-window layers (window W): R_l = min(R, W - 1) (a window never reaches past what the
+  layer sees), as KVCache does.
+
+Storage, per layer: K and V q8_0 rows [Hkv, slots * C + 1] (the last row is scratch, for padded
+writes), C = R_l + spare. Position p of the agent in slot s lives at row s * C + p % C. Every
+suffix row is written to the pool's pages as before and also here (write-once, the newest C kept).
+`spare` (the most drafts queued in the batch: `AgentBatch.expect_drafts` / `feed_drafts`) keeps
+the rows a rollback of rejected drafts needs: after a cut of m <= spare + 1 rows the window is
+exact; a larger cut (`AgentCache.truncate` by hand) refills the missing positions from the pages
+(decoded from the pool's codec, then q8_0: those rows read at about the codec's precision until
+they leave the window, as KVCache's crop does).
+
+One forward, per layer (`AgentRings.write`, all on the device, no host value: the same code runs
+in a captured step): the new rows (real columns: write row != scratch) are encoded once to q8_0;
+the window segment of the forward is the R - 1 + n_q positions [L - n_q - R + 1, L) of each agent
+(L: its length after the forward) — the ring's rows before the write, the new columns where real —
+and the newest min(C, new) rows are stored. Attention then reads that segment causally with window
+R (`kv_start` hides positions < 0); the rest is the cascade with suffix lengths L - R (query j sits
+at p_j - R there: it sees suffix rows <= p_j - R), merged by LSE (`AgentCache.attend`).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ..cache.accounting import storage_bytes
+from ..cache.ring import RING_TYPE
+from ..codecs import Packed, get_codec
+
+
+class _RingLayer:
+    """K and V q8_0 rows of one layer (see module doc)."""
+
+    def __init__(self, recent: int, head_dim: int, kv_heads: int, slots: int, spare: int, device):
+        self.recent = int(recent)
+        self.codec = get_codec(RING_TYPE, head_dim)
+        self.kv_heads = kv_heads
+        self.device = device
+        self.capacity = self.recent + int(spare)
+        self.slots = int(slots)
+        lead = (kv_heads, self.slots * self.capacity + 1)
+        self.k, self.v = self.codec.empty(lead, device), self.codec.empty(lead, device)
+
+    @property
+    def scratch_row(self) -> int:
+        return self.slots * self.capacity
+
+    def tensors(self) -> list[torch.Tensor]:
+        return [t for p in (self.k, self.v) for t in (p.codes, p.scales) if t is not None]
+
+    def relayout(self, slots: int, spare: int, lens: torch.Tensor) -> None:
+        """Reallocate for `slots` slots of R + spare rows, keeping every slot's held positions
+        (the last min(old C, new C, length) of each; lens: host int64 lengths per old slot)."""
+        old_c, new_c = self.capacity, self.recent + int(spare)
+        lead = (self.kv_heads, int(slots) * new_c + 1)
+        k, v = self.codec.empty(lead, self.device), self.codec.empty(lead, self.device)
+        src, dst = [], []
+        for s, n in enumerate(lens.tolist()[: self.slots]):
+            for p in range(max(0, int(n) - min(old_c, new_c)), int(n)):
+                src.append(s * old_c + p % old_c)
+                dst.append(s * new_c + p % new_c)
+        if src:
+            si, di = torch.tensor(src, device=self.device), torch.tensor(dst, device=self.device)
+            for new, old in ((k, self.k), (v, self.v)):
+                for a, b in ((new.codes, old.codes), (new.scales, old.scales)):
+                    if a is not None:
+                        a[:, di] = b[:, si]
+        self.k, self.v, self.capacity, self.slots = k, v, new_c, int(slots)
+
+    def gather(self, rows: torch.Tensor) -> tuple[Packed, Packed]:
+        """Rows int64 [G, W] -> (k, v) Packed leading [G, Hkv, W] (copies)."""
+        def take(x):
+            return None if x is None else x[:, rows].permute(1, 0, 2, 3)
+
+        return (Packed(take(self.k.codes), take(self.k.scales)),
+                Packed(take(self.v.codes), take(self.v.scales)))
+
+    def scatter(self, rows: torch.Tensor, k: Packed, v: Packed) -> None:
+        """Store k, v Packed leading [G, Hkv, T] at rows int64 [G, T] (duplicates only at scratch)."""
+        flat = rows.reshape(-1)
+        for dst, src in ((self.k, k), (self.v, v)):
+            for a, b in ((dst.codes, src.codes), (dst.scales, src.scales)):
+                if a is not None:
+                    a[:, flat] = b.permute(1, 0, 2, 3).reshape(self.kv_heads, flat.numel(), -1).to(a.dtype)
+
+    def copy_slot(self, src: int, dst: int) -> None:
+        c = self.capacity
+        for p in (self.k, self.v):
+            for t in (p.codes, p.scales):
+                if t is not None:
+                    t[:, dst * c: (dst + 1) * c] = t[:, src * c: (src + 1) * c]
+
+
+class AgentRings:
+    """The recent windows of an AgentCache's agents, one `_RingLayer` per layer (module doc).
+
+    recent: per layer R_l (>= 1); head_dims / kv_heads: per layer; slots: agent slots."""
+
+    def __init__(self, recent: list[int], head_dims: list[int], kv_heads: list[int], slots: int,
+                 device, spare: int = 0):
+        self.device = torch.device(device)
+        self.spare = int(spare)
+        self.layers = [_RingLayer(r, d, h, slots, self.spare, self.device)
+                       for r, d, h in zip(recent, head_dims, kv_heads)]
+        self.version = 0  # bumped by every reallocation (captured steps read these tensors)
+
+    @property
+    def slots(self) -> int:
+        return self.layers[0].slots
+
+    def reserve(self, slots: int, spare: int, lens: torch.Tensor) -> None:
+        """At least `slots` slots and `spare` spare rows per slot (reallocates, keeping the rows)."""
+        slots, spare = max(self.slots, int(slots)), max(self.spare, int(spare))
+        if slots == self.slots and spare == self.spare:
+            return
+        for lay in self.layers:
+            lay.relayout(slots, spare, lens)
+        self.spare = spare
+        self.version += 1
+
+    def move(self, src: int, dst: int) -> None:
+        """Slot src's rows become slot dst's (a copy of C rows per layer: `AgentCache.move_slot`)."""
+        for lay in self.layers:
+            lay.copy_slot(src, dst)
+
+    def write(self, li: int, k: torch.Tensor, v: torch.Tensor, slots: torch.Tensor,
+              lens: torch.Tensor, real: torch.Tensor):
+        """One forward's rows of layer li: k, v [G, Hkv, n_q, D] (true space, left-padded), slots
+        int64 [G], lens int [G] (lengths after the forward), real bool [G, n_q] (column written).
+        Stores the newest min(C, real columns) rows and returns the forward's window segment:
+        (k, v) Packed leading [G, Hkv, R - 1 + n_q] (row i = position L - n_q - R + 1 + i, q8_0)
+        and kv_start int32 [G] (rows at negative positions are not keys)."""
+        from ..kernels import dispatch
+
+        lay = self.layers[li]
+        G, _, n_q, _ = k.shape
+        R, C = lay.recent, lay.capacity
+        dev = k.device
+        enc_k = lay.codec.empty((G, lay.kv_heads, n_q), dev)
+        enc_v = lay.codec.empty((G, lay.kv_heads, n_q), dev)
+        dispatch.quantize_into(enc_k, k, lay.codec, 0)
+        dispatch.quantize_into(enc_v, v, lay.codec, 0)
+        L = lens.to(device=dev, dtype=torch.int64)
+        pos = L[:, None] - n_q - R + 1 + torch.arange(R - 1 + n_q, device=dev)[None, :]  # [G, W]
+        base = (slots.to(dev) * C)[:, None]
+        old_k, old_v = lay.gather(base + pos % C)  # before this forward's writes
+        col = real.to(dev)[:, None, :, None]  # [G, 1, n_q, 1]
+
+        def seg(old: Packed, enc: Packed) -> Packed:
+            def one(o, e):
+                if o is None:
+                    return None
+                return torch.cat([o[:, :, : R - 1], torch.where(col, e.to(o.dtype), o[:, :, R - 1:])], 2)
+
+            return Packed(one(old.codes, enc.codes), one(old.scales, enc.scales))
+
+        seg_k, seg_v = seg(old_k, enc_k), seg(old_v, enc_v)
+        new_pos = pos[:, R - 1:]  # [G, n_q]: column j's position
+        keep = real.to(dev) & (new_pos >= L[:, None] - C)  # the newest C rows only (no slot twice)
+        rows = torch.where(keep, base + new_pos % C, torch.full_like(new_pos, lay.scratch_row))
+        lay.scatter(rows, enc_k, enc_v)
+        kv_start = (R - 1 + n_q - L).clamp(0, R - 1 + n_q).to(torch.int32)  # -(first position)
+        return seg_k, seg_v, kv_start
+
+    def refill(self, li: int, slot: int, positions: list[int], k: torch.Tensor, v: torch.Tensor) -> None:
+        """Write true-space rows k, v [Hkv, T, D] at `positions` of `slot` (a rollback deeper than
+        the spare rows: module doc)."""
+        lay = self.layers[li]
+        enc_k, enc_v = lay.codec.encode(k[None]), lay.codec.encode(v[None])
+        rows = torch.tensor([[slot * lay.capacity + p % lay.capacity for p in positions]], device=self.device)
+        lay.scatter(rows, enc_k, enc_v)
+
+    def tensors(self) -> list[torch.Tensor]:
+        return [t for lay in self.layers for t in lay.tensors()]
+
+    def nbytes(self) -> int:
+        return storage_bytes(self.tensors())
+
+
+__all__ = ["AgentRings"]

@@ -1,0 +1,116 @@
+"""The static decode step (decode_graph.py, what a CUDA graph would capture) with recent windows, run
+eagerly on CPU: the windows' per-step work reads only device tensors (lengths, write rows), so the
+static step must give the eager step's logits — decode, verify columns, bucket padding, removal,
+storage growth, a parked batch. On CUDA such batches are not captured yet (graphs_supported)."""
+
+import functools
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from polykv.pool import SharedKVPool, decode_graph
+from polykv.pool.decode_graph import DecodeGraphs, graphs_supported
+from tests.pool.conftest import CharTok, tiny_gemma
+
+DOC = list(range(3, 50))
+
+
+def _run(model, tok, static: bool, recent: int, feeds, sufs):
+    pool = SharedKVPool(model, tok, k="q8_0", v="turbo3", recent=recent, prefill_chunk=16)
+    doc = pool.add_document(DOC)
+    logits = []
+    with pool.open_batch(doc, capacity=2, seq_capacity=4) as b:
+        if static:
+            b._graphs = DecodeGraphs(model, b.cache, pool._pad_id, capture=False)
+        aids = [b.add(s) for s in sufs]
+        b.step()
+        for i, f in enumerate(feeds):
+            b.feed({a: t for a, t in zip(aids, f) if a in b.agents()})
+            logits.append(torch.stack([lg for _, lg in sorted(b.step().items())]))
+            if i == 1:
+                b.remove(aids[0])  # slot compaction: the last agent (and its window) moves to slot 0
+        if static:
+            assert b._graphs.captures > 0  # the static step really ran
+    return logits
+
+
+@pytest.mark.parametrize("recent", [1, 3, 9])
+def test_static_step_equals_eager_with_windows(tiny, recent):
+    model, tok = tiny
+    sufs = [[5, 6, 7], [8, 9], [10, 11, 12, 13], [14]]  # 4 agents -> bucket 4; 3 after removal
+    feeds = [[20, 21, 22, 23], [24, 25, 26, 27], [28, 29, 30, 31], [32, 33, 34, 35],
+             [36, 37, 38, 39], [40, 41, 42, 43]]  # suffixes outgrow seq_capacity 4 and the windows
+    a = _run(model, tok, False, recent, feeds, sufs)
+    b = _run(model, tok, True, recent, feeds, sufs)
+    for x, y in zip(a, b):
+        torch.testing.assert_close(y, x, rtol=0, atol=1e-5)
+
+
+def test_static_columns_equal_eager_verify(tiny):
+    """run_columns (the captured verify step) with windows: each real column's logits equal the
+    eager forward of the same columns, and the step after a rollback too."""
+    model, tok = tiny
+    pool = SharedKVPool(model, tok, k="q8_0", v="turbo3", recent=3, prefill_chunk=16)
+    doc = pool.add_document(DOC)
+    sufs = [[5, 6], [7], [8, 9, 10]]
+    cols = [[40, 41, 42], [43], [44, 45]]
+    got = {}
+    for static in (False, True):
+        with pool.open_batch(doc, capacity=4, seq_capacity=16) as b:
+            if static:
+                b._graphs = DecodeGraphs(model, b.cache, pool._pad_id, capture=False)
+            b.expect_drafts(2)
+            aids = [b.add(s) for s in sufs]
+            b.step()
+            for a, c in zip(aids, cols):
+                b.feed({a: c[0]}, {a: c[1:]} if len(c) > 1 else None)
+            ids = b.step_verify()  # left-padded verify columns, rejected drafts rolled back
+            b.feed({a: 50 + i for i, a in enumerate(aids)})
+            got[static] = (ids, b.step(), b.cache.lens[:3].tolist())
+            if static:
+                assert any(w > 1 for _, w in b._graphs.widths())
+    (ia, la, na), (ib, lb, nb) = got[False], got[True]
+    assert ia == ib and na == nb
+    for a in la:
+        torch.testing.assert_close(lb[a], la[a], rtol=0, atol=1e-5)
+
+
+@pytest.fixture
+def static_graphs(monkeypatch):
+    monkeypatch.setattr(decode_graph, "graphs_supported", lambda cache: True)
+    monkeypatch.setattr(decode_graph, "DecodeGraphs", functools.partial(DecodeGraphs, capture=False))
+
+
+SPEC = {"method": "prompt_lookup", "num_draft_tokens": 3, "adaptive": False, "min_ngram": 1}
+
+
+@pytest.mark.parametrize("spec", [None, SPEC])
+def test_generate_static_equals_eager(static_graphs, spec):
+    """generate over the static steps (pipelined, or speculative verify steps) with windows, twice
+    (the second call takes over the parked batch): the eager pool's answers."""
+    model, tok = tiny_gemma(), CharTok()  # sliding and full layers (CUDA would capture neither yet)
+    prompts = [[5, 6, 7], [8], [9, 10, 11, 12], [13, 14]]
+    eager = SharedKVPool(model, tok, k="q8_0", v="turbo3", recent=4, prefill_chunk=32)
+    doc = eager.add_document(DOC * 2)
+    want = eager.generate(doc, prompts, max_new_tokens=20, speculative=spec, pipelined=False)
+    pool = SharedKVPool(model, tok, k="q8_0", v="turbo3", recent=4, prefill_chunk=32)
+    pool.add_document(DOC * 2)
+    for i in range(2):
+        assert pool.generate(doc, prompts, max_new_tokens=20, speculative=spec) == want
+        assert pool.last_generate["graph_captures"] > 0 or i == 1  # the static steps ran
+
+
+def test_cuda_graphs_refused_for_windows(monkeypatch):
+    """A batch with windows is not captured on CUDA (eager steps) unless POLYKV_RING_GRAPHS=1."""
+    from polykv.kernels import dispatch
+
+    monkeypatch.setattr(dispatch, "use_triton", lambda *t: True)
+    cache = SimpleNamespace(device=torch.device("cuda"), windows=[None], backend="auto",
+                            store=[SimpleNamespace(k=SimpleNamespace(codes=None))], rings=object())
+    assert not graphs_supported(cache)
+    monkeypatch.setenv("POLYKV_RING_GRAPHS", "1")
+    assert graphs_supported(cache)
+    monkeypatch.delenv("POLYKV_RING_GRAPHS")
+    cache.rings = None
+    assert graphs_supported(cache)
