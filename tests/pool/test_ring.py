@@ -16,6 +16,8 @@ from polykv.pool.agent_cache import AgentCache
 
 Hkv, G_HEADS, D = 2, 2, 64
 SCALE = D ** -0.5
+PAGE = 16  # suffix page rows (test_ring_triton.py: 64, the kernels' row tile)
+TOL = 1e-4  # torch reference vs oracle: float rounding (test_ring_triton.py: the kernels' fp16 tolerance)
 
 
 def q8(x):
@@ -89,7 +91,7 @@ def make(kinds, recent, P=23, seed=0, capacity=2):
         R = recent if W is None else min(recent, W - 1)
         olayers.append((kc, vc, s, W, R, (pk, pv), P - keep))
     cache = AgentCache(doc_layers, starts, P, windows, batch_capacity=capacity, seq_capacity=4,
-                       page_size=16, recent=recent)
+                       page_size=PAGE, recent=recent)
     return cache, Oracle(olayers)
 
 
@@ -113,7 +115,7 @@ def forward(cache, oracle, slots, counts, n_q, seed):
         for i, (slot, c) in enumerate(zip(slots, counts)):
             want = oracle.attend(li, q[i], slot, n_q, cache.doc_len)
             got = out[i].transpose(0, 1)  # [Hq, n_q, D]
-            torch.testing.assert_close(got[:, n_q - c:], want[:, n_q - c:], rtol=1e-4, atol=1e-4,
+            torch.testing.assert_close(got[:, n_q - c:], want[:, n_q - c:], rtol=TOL, atol=TOL,
                                        msg=lambda m: f"layer {li} slot {slot}: {m}")
 
 
