@@ -35,7 +35,10 @@ manifest.json: every field required, no other field allowed
     manifest_sha256     sha256 of the manifest without this field (canonical JSON: sorted keys,
                         separators "," ":"): any edit of the file is detected
     model_fingerprint, tokenizer_fingerprint   64 hex (`polykv.hf.loading`: every weight tensor hashed)
-    codec               {k, v: KV type names; innerq_sha256: 64 hex (K turbo only) or null}
+    codec               {k, v: KV type names; innerq_sha256: 64 hex (K turbo only) or null; optional
+                         layers: one [k, v] per layer (only when some layer differs from the pair);
+                         optional recent: int >= 1, the agents' recent window R (only when R > 0:
+                         `polykv.pool.ring`; a store without it loads with R = 0, load(recent=) wins)}
     files               {"pool.safetensors": {bytes: int, sha256: 64 hex}}
     documents           [{index: its position in the list; id: "doc-" + ids_sha256[:16] (unique);
                           name: str or null; tokens: int >= 1; ids_sha256: 64 hex; chat: bool;
@@ -322,6 +325,8 @@ def _codec_field(pool) -> dict:
     out = dict(k=pool.k_type, v=pool.v_type, innerq_sha256=innerq_sha256(pool.innerq))
     if any(t != (pool.k_type, pool.v_type) for t in pool.layer_types):
         out["layers"] = [list(t) for t in pool.layer_types]
+    if getattr(pool, "recent", 0):
+        out["recent"] = int(pool.recent)
     return out
 
 
@@ -347,8 +352,10 @@ def _validate_manifest(m: dict, mpath: Path, layout) -> None:
     _check_hex(m["model_fingerprint"], f"{w}: model_fingerprint")
     _check_hex(m["tokenizer_fingerprint"], f"{w}: tokenizer_fingerprint")
     codec = m["codec"]
-    _check_keys(codec, {"k", "v", "innerq_sha256"} | ({"layers"} if "layers" in codec else set()),
-                f"{w}: codec")
+    _check_keys(codec, {"k", "v", "innerq_sha256"} | ({"layers"} if "layers" in codec else set())
+                | ({"recent"} if "recent" in codec else set()), f"{w}: codec")
+    if "recent" in codec:
+        _check_int(codec["recent"], f"{w}: codec.recent", lo=1)
     for kv in ("k", "v"):
         if not isinstance(codec[kv], str) or codec[kv] not in CODEC_NAMES:
             _fail(f"{w}: codec.{kv}", f"must be one of {', '.join(CODEC_NAMES)}, got {_show(codec[kv])}")
@@ -552,6 +559,7 @@ def _load_generation(cls, gdir: Path, model, tok, kwargs):
 
     # --- build ---------------------------------------------------------------------------------
     overrides = {i: tuple(t) for i, t in enumerate(types) if tuple(t) != (k_type, v_type)}
+    kwargs = {"recent": codec.get("recent", 0), **kwargs}  # the saved window, unless load() names one
     pool = cls(model, tok, k=k_type, v=v_type, innerq=innerq, overrides=overrides or None, **kwargs)
     for d, ids, packed, ngram in docs:
         if ngram is None:  # saved without an index: rebuild it from the ids

@@ -113,7 +113,7 @@ class SharedKVPool:
         there (the shared prefix and older suffix rows in the pool's types). None takes the
         preset's R when a preset is named or nothing is (`polykv.presets.recent_for`), 0 with
         explicit k= / v= (as KVCache). The document's tail is never in a window (module doc of
-        polykv.pool.ring); a saved pool does not record R (pass recent= to `load`).
+        polykv.pool.ring); `save` records R, `load(..., recent=)` overrides it.
     overrides: {layer_index: (k, v)} per-layer types (`layer_types` lists every layer's pair).
     precision: for preset="balanced" / "max" without k= / v= / overrides=: "auto" (default) takes
         per-layer types from the model's calibrated precision table when one exists (`polykv

@@ -163,3 +163,28 @@ def test_rejected_drafts_leave_the_windows_exact(model_tok, expect):
             la, lb = a.step()[x], b.step()[y]
             torch.testing.assert_close(la, lb, rtol=1e-5, atol=1e-5)
             ta = tb = int(lb.argmax())
+
+
+def test_the_store_keeps_the_window(tiny, tmp_path):
+    """save records R (manifest codec.recent, only when R > 0); load restores it, load(recent=)
+    overrides it; a store without the field loads with R = 0; a bad value is refused by name."""
+    from polykv.pool import PoolFormatError
+    from tests.pool.test_persist import edit_manifest, read_manifest
+
+    model, tok = tiny
+    pool = SharedKVPool(model, tok, recent=5, prefill_chunk=16)
+    doc = pool.add_document(DOC)
+    want = pool.generate(doc, PROMPTS, max_new_tokens=8)
+    pool.save(tmp_path / "s")
+    assert read_manifest(tmp_path / "s")["codec"]["recent"] == 5
+    loaded = SharedKVPool.load(tmp_path / "s", model, tok)
+    assert loaded.recent == 5 and loaded.generate(doc, PROMPTS, max_new_tokens=8) == want
+    assert SharedKVPool.load(tmp_path / "s", model, tok, recent=2).recent == 2
+    plain = SharedKVPool(model, tok, k="q8_0", v="turbo3")
+    plain.add_document(DOC)
+    plain.save(tmp_path / "p")
+    assert "recent" not in read_manifest(tmp_path / "p")["codec"]
+    assert SharedKVPool.load(tmp_path / "p", model, tok).recent == 0
+    edit_manifest(tmp_path / "s", lambda m: m["codec"].update(recent=0))
+    with pytest.raises(PoolFormatError, match="codec.recent"):
+        SharedKVPool.load(tmp_path / "s", model, tok)
