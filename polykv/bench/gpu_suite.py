@@ -334,6 +334,50 @@ def quantize_bench():
                 f"torch encode {ms_t * 1e3:.1f} us")
 
 
+@section("window")
+def window_bench():
+    """Sliding-window layers' cascade (Gemma-3's local layers: 4 q heads / 1 KV head, head_dim 256,
+    window 512) on the kernels vs the torch reference that served them before (issue G): checks
+    at full size, then graph replays of both at 8 / 32 agents over a 32k shared prefix."""
+    RES["window"] = []
+    g = torch.Generator(device=DEV).manual_seed(11)
+
+    def rnd(*s):
+        return torch.randn(*s, device=DEV, generator=g, dtype=torch.float16)
+
+    for kn, vn, hq, hkv, D, W in (("q8_0", "turbo3", 4, 1, 256, 512), ("q8_0", "turbo3", 32, 8, 128, 4096),
+                                  ("turbo4", "turbo3", 4, 1, 256, 512)):
+        kc, vc = get_codec(kn, D), get_codec(vn, D)
+        P, S, N = 6000, W + 100, 5
+        pk, pv = kc.encode(rnd(1, hkv, P, D)), vc.encode(rnd(1, hkv, P, D))
+        sk, sv = kc.encode(rnd(N, hkv, S, D)), vc.encode(rnd(N, hkv, S, D))
+        for n_q in (1, 4):
+            # suffixes shorter than, about and longer than the window (each holds its n_q queries)
+            lens = torch.tensor([n_q, 100, W - 1, W + 50, S], dtype=torch.int32, device=DEV)
+            q = rnd(N, hq, n_q, D)
+            kw = dict(window=W, prefix_start=100, prefix_end=100 + P)
+            o, l = cascade_attention(q, pk, pv, sk, sv, lens, kc, vc, **kw)
+            o2, l2 = cascade_attention_ref(q, pk, pv, sk, sv, lens, kc, vc, **kw)
+            fin = torch.isfinite(l2)
+            check(f"window cascade {kn}/{vn} D{D} W{W} n_q{n_q}", rel(o, o2) <= 1e-2
+                  and torch.equal(fin, torch.isfinite(l)), rel=rel(o, o2),
+                  lse_err=(l[fin] - l2[fin]).abs().max().item())
+    kc, vc = get_codec("q8_0", 256), get_codec("turbo3", 256)
+    P, W = 32768, 512
+    pk, pv = kc.encode(rnd(1, 1, P, 256)), vc.encode(rnd(1, 1, P, 256))
+    for agents in (8, 32):
+        sk, sv = kc.encode(rnd(agents, 1, 128, 256)), vc.encode(rnd(agents, 1, 128, 256))
+        lens = torch.full((agents,), 128, dtype=torch.int32, device=DEV)
+        q = rnd(agents, 4, 1, 256)
+        ms, ms_eager = _time(lambda: cascade_attention(q, pk, pv, sk, sv, lens, kc, vc, window=W), 10, 50)
+        ms_ref, ms_ref_eager = _time(lambda: cascade_attention_ref(q, pk, pv, sk, sv, lens, kc, vc,
+                                                                   window=W), 3, 10)
+        r = dict(agents=agents, prefix=P, window=W, ms=ms, ms_eager=ms_eager, ms_ref=ms_ref,
+                 ms_ref_eager=ms_ref_eager, speedup=ms_ref / ms)
+        RES["window"].append(r)
+        log(r)
+
+
 def table():
     lines = [f"GPU {RES.get('env', {}).get('gpu')}  copy {RES.get('copy_gbps', 0):.0f} GB/s  "
              f"tune {RES.get('tune_best')}"]
@@ -356,6 +400,12 @@ def table():
         lines.append(f"  agents {r['agents']:>3}: {r['ms'] * 1e3:>8.1f} us  {dcs}sdpa(N dense) "
                      f"{r['ms_sdpa_f16'] * 1e3:>9.1f} us  x{r['speedup']:.1f}  {r['gbps']:.0f} GB/s  "
                      f"(eager {r['ms_eager'] * 1e3:.1f} / {r['ms_sdpa_f16_eager'] * 1e3:.1f} us)")
+    if RES.get("window"):
+        lines.append("sliding-window cascade (Gemma-3 local layer: 4q/1kv/256, window 512, 32k prefix):")
+        for r in RES["window"]:
+            lines.append(f"  agents {r['agents']:>3}: {r['ms'] * 1e3:>8.1f} us  torch reference "
+                         f"{r['ms_ref'] * 1e3:>8.1f} us  x{r['speedup']:.1f}  (eager {r['ms_eager'] * 1e3:.1f}"
+                         f" / {r['ms_ref_eager'] * 1e3:.1f} us)")
     lines.append("quantize-on-write:")
     for r in RES["quantize"]:
         if "block_t" in r:
@@ -378,5 +428,6 @@ if __name__ == "__main__":
     tune_cascade()
     cascade_bench()
     quantize_bench()
+    window_bench()
     log(f"total {time.time() - t0:.0f}s")
     table()

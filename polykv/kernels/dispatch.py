@@ -122,7 +122,12 @@ def _call_key(dec, kind: str, q: torch.Tensor, tensors: tuple, k_codec, v_codec,
     return (kind, q.device, tk(q), *map(tk, tensors),
             k_codec if isinstance(k_codec, str) else ck(k_codec),
             v_codec if isinstance(v_codec, str) else ck(v_codec),
-            tuple(tune.items()) if tune else (), *args)
+            _frozen(tune) if tune else (), *args)
+
+
+def _frozen(tune: dict) -> tuple:
+    """A tuning dict as a hashable key; nested dicts (`prefix_tune`, `ws`) frozen too."""
+    return tuple((k, _frozen(v) if isinstance(v, dict) else v) for k, v in tune.items())
 
 
 def _rotates_q(k_codec, k_innerq) -> bool:
@@ -192,7 +197,8 @@ def cascade_attention(q: torch.Tensor, prefix_k: Packed | None, prefix_v: Packed
                       v_codec, *, sm_scale: float | None = None,
                       k_innerq: torch.Tensor | None = None,
                       suffix_pages: torch.Tensor | None = None, page_size: int = 0,
-                      prefix_chunks=None, prefix_rows: int = 0, **tune):
+                      prefix_chunks=None, prefix_rows: int = 0, window: int | None = None,
+                      prefix_start: int = 0, prefix_end: int | None = None, **tune):
     """q [N, Hq, n_q, D]: every agent sees the whole shared prefix (Packed leading [1, Hkv, P]) and
     its own suffix (Packed leading [N, Hkv, S_cap], suffix_lens [N], causal; 0 is legal).
     suffix_pages int32 [N, max_pages] with page_size: the suffix Packed is a page pool (leading
@@ -202,8 +208,11 @@ def cascade_attention(q: torch.Tensor, prefix_k: Packed | None, prefix_v: Packed
     streamed prefix, consumed chunk by chunk; each row0 a multiple of PREFIX_CHUNK_ALIGN): the
     kernels compute the very splits of the joined prefix (`cascade_prepared`), the reference joins
     the chunks — the values of one call over the joined prefix, bit for bit, on either path.
-    Returns out [N, Hq, n_q, D]
-    (q.dtype), lse float32 [N, Hq, n_q]."""
+    window (a sliding-window layer): each query sees the keys of the last `window` positions,
+    its own included; prefix row i sits at position prefix_start + i and suffix row j at
+    prefix_end + j (default prefix_end: prefix_start + P), so a query's window may reach back
+    into the shared prefix (`_windowed_cascade`; not with prefix_chunks).
+    Returns out [N, Hq, n_q, D] (q.dtype), lse float32 [N, Hq, n_q]."""
     if not use_triton(q, suffix_k.codes, *(() if prefix_k is None else (prefix_k.codes,))):
         if suffix_pages is not None:
             suffix_k, suffix_v = (gather_pages(p, suffix_pages, page_size) for p in (suffix_k, suffix_v))
@@ -211,10 +220,20 @@ def cascade_attention(q: torch.Tensor, prefix_k: Packed | None, prefix_v: Packed
             parts = list(prefix_chunks)
             prefix_k, prefix_v = (Packed.cat([c[i] for c in parts]) for i in (0, 1))
         return ref.cascade_attention_ref(q, prefix_k, prefix_v, suffix_k, suffix_v, suffix_lens,
-                                         k_codec, v_codec, sm_scale=sm_scale, k_innerq=k_innerq)
+                                         k_codec, v_codec, sm_scale=sm_scale, k_innerq=k_innerq,
+                                         window=window, prefix_start=prefix_start,
+                                         prefix_end=prefix_end)
     dec, cas = _k()[:2]
     N, Hq, n_q, D = q.shape
     hkv = suffix_k.codes.shape[1]
+    if window is not None:
+        if prefix_chunks is not None:
+            raise ValueError("a windowed cascade takes the prefix whole (prefix_k / prefix_v), "
+                             "not as prefix_chunks")
+        return _windowed_cascade(q, prefix_k, prefix_v, suffix_k, suffix_v, suffix_lens,
+                                 as_codec(k_codec, D), as_codec(v_codec, D), int(window),
+                                 prefix_start, prefix_end, sm_scale=sm_scale, k_innerq=k_innerq,
+                                 suffix_pages=suffix_pages, page_size=page_size, **tune)
     key = None
     if prefix_chunks is None and prefix_k is not None and dec._plannable(q.device):
         key = _call_key(dec, "cascade", q, (prefix_k.codes, prefix_k.scales, prefix_v.codes,
@@ -243,6 +262,55 @@ def cascade_attention(q: torch.Tensor, prefix_k: Packed | None, prefix_v: Packed
     return out, lse
 
 
+#: A windowed prefix is read from a row that is a multiple of this: its views keep the alignment
+#: (and so the compiled variant) of the whole prefix's tensors.
+_WINDOW_ROW_ALIGN = 64
+
+
+def _windowed_cascade(q, prefix_k, prefix_v, suffix_k, suffix_v, suffix_lens, kc, vc, window: int,
+                      prefix_start: int, prefix_end: int | None, *, sm_scale, k_innerq,
+                      suffix_pages, page_size: int, **tune):
+    """`cascade_attention` of a sliding-window layer on the kernels (issue G): two split passes
+    and one combine. The prefix pass runs every agent as its own sequence over the shared prefix
+    (batch stride 0: the rows are read per agent, at most window + n_q of them) with its queries
+    placed after its suffix (`decode_parts` q_shift = the gap between prefix and suffix + its
+    suffix length), so the window mask is the reference's; the suffix pass is the causal,
+    windowed decode of each agent's suffix. Both read only the tiles a window reaches."""
+    dec = _k()[0]
+    N, Hq, n_q, D = q.shape
+    hkv, P = suffix_k.codes.shape[1], prefix_k.codes.shape[2]
+    dev = q.device
+    pend = prefix_start + P if prefix_end is None else int(prefix_end)
+    sm_scale = 1.0 / math.sqrt(D) if sm_scale is None else float(sm_scale)
+    qp = _prep_q(q, kc, k_innerq, hkv)
+    M = qp.shape[2]
+    lens = suffix_lens.to(device=dev, dtype=torch.int32).contiguous()
+    # the earliest query sits at pend - n_q (an empty suffix) or later: rows before its window
+    # are never keys, so the pass reads the prefix from the aligned row below that window
+    first = max(0, pend - n_q - window + 1 - prefix_start)
+    r0 = min(P, first // _WINDOW_ROW_ALIGN * _WINDOW_ROW_ALIGN)
+    pk, pv = (p.index((slice(None), slice(None), slice(r0, P))) for p in (prefix_k, prefix_v))
+    gap = pend - prefix_start - P
+    shift = lens if gap == 0 else lens + gap
+    prefix = None
+    if P - r0:
+        # causal as well: a query placed before the prefix's end (a suffix shorter than n_q) sees
+        # no later prefix row, as in the reference
+        prefix = dec.decode_parts(qp, n_q, pk, pv, kc, vc, _full_lens(N, P - r0, dev), causal=True,
+                                  window=window, sm_scale=sm_scale, q_shift=shift, **tune)
+    suffix = None
+    if suffix_k.codes.shape[2] and (suffix_pages is None or suffix_pages.shape[1]):
+        suffix = dec.decode_parts(qp, n_q, suffix_k, suffix_v, kc, vc, lens, causal=True,
+                                  window=window, sm_scale=sm_scale, page_table=suffix_pages,
+                                  page_size=page_size, **tune)
+    if prefix is None and suffix is None:  # no key anywhere: the reference's empty rows
+        return (torch.zeros(N, Hq, n_q, D, dtype=q.dtype, device=dev),
+                torch.full((N, Hq, n_q), float("-inf"), device=dev))
+    first_pass, second = (prefix, suffix) if prefix is not None else (suffix, None)
+    return dec.combine_splits(first_pass, (N, hkv, M, D), vc, q.dtype, second=second,
+                              out_shape=(N, Hq, n_q, D))
+
+
 class _CascadeCall:
     """A planned cascade call: the query preparation (turbo K; None: q viewed as rows) and the
     passes (`triton_cascade.CascadePasses`), one key for the whole call (issue F)."""
@@ -254,8 +322,8 @@ class _CascadeCall:
 
     def __call__(self, q, prefix_k, prefix_v, suffix_k, suffix_v, suffix_lens, s, suffix_pages):
         qp = _k()[0].planned_rows(self.prep, q, s, self.qp_shape)
-        return self.passes(qp, prefix_k, prefix_v, suffix_k, suffix_v, suffix_lens.to(device=q.device),
-                           suffix_pages, self.out_shape)
+        return self.passes(qp, prefix_k, prefix_v, suffix_k, suffix_v, suffix_lens, suffix_pages,
+                           self.out_shape)
 
 
 def gather_pages(pool: Packed, table: torch.Tensor, page_size: int) -> Packed:

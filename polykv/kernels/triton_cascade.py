@@ -136,7 +136,7 @@ def cascade_prepared(qp: torch.Tensor, n_q: int, prefix_k: Packed | None, prefix
     suffix = None
     if suffix_k.codes.shape[2] and (suffix_pages is None or suffix_pages.shape[1]):
         suffix = decode_parts(qp, n_q, suffix_k, suffix_v, k_codec, v_codec,
-                              suffix_lens.to(torch.int32).contiguous(), causal=True,
+                              lens_i32(suffix_lens, qp.device), causal=True,
                               window=None, sm_scale=sm_scale, page_table=suffix_pages,
                               page_size=page_size, rec=sub, **kw)
     out, lse = combine_splits(prefix, (N, Hkv, M, D), v_codec, out_dtype, second=suffix,
@@ -163,21 +163,32 @@ class CascadePasses(NamedTuple):
     def __call__(self, qp: torch.Tensor, prefix_k: Packed, prefix_v: Packed, suffix_k: Packed,
                  suffix_v: Packed, suffix_lens: torch.Tensor, suffix_pages: torch.Tensor | None,
                  out_shape: tuple | None = None):
-        """What `cascade_prepared` computes for these tensors (the same launches and buffers);
+        """What `cascade_prepared` computes for these tensors (the same launches and values);
         out_shape: out [*out_shape] and lse [*out_shape[:-1]], the same rows (the caller's
-        [N, Hq, n_q, D]: no reshape per call)."""
+        [N, Hq, n_q, D]: no reshape per call). suffix_lens: any integer dtype and device."""
         dev = qp.device
-        w = self.prefix
-        o_p = torch.empty(w.o_numel, dtype=torch.float32, device=dev)
-        l_p = torch.empty(w.l_numel, dtype=torch.float32, device=dev)
+        w, s = self.prefix, self.suffix
+        # the passes' partials in one allocation (host time: one allocator call, not four), each
+        # starting 64-byte aligned as a fresh buffer would (the launches were specialised on it)
+        sizes = tuple(-(-n // 16) * 16 for n in (w.o_numel, w.l_numel, *(
+            (s.o_numel, s.l_numel) if s is not None else ())))
+        parts = torch.empty(sum(sizes), dtype=torch.float32, device=dev).split(sizes)
+        o_p, l_p = parts[0], parts[1]
         w.launch(qp, prefix_k.codes, prefix_k.scales, prefix_v.codes, prefix_v.scales,
                  self.prefix_lens, o_p, l_p)
         o_s, l_s = o_p, l_p  # never read without a suffix pass
-        if self.suffix is not None:
-            o_s, l_s, _ = self.suffix(qp, suffix_k, suffix_v, suffix_lens.to(torch.int32).contiguous(),
-                                      page_table=suffix_pages)
+        if s is not None:
+            o_s, l_s, _ = s(qp, suffix_k, suffix_v, lens_i32(suffix_lens, dev),
+                            page_table=suffix_pages, parts=parts[2:])
         out_shape = out_shape or self.shape
         out = torch.empty(out_shape, dtype=self.out_dtype or torch.float32, device=dev)
         lse = torch.empty(out_shape[:-1], dtype=torch.float32, device=dev)
         self.combine(o_p, l_p, o_s, l_s, out, lse)
         return out, lse
+
+
+def lens_i32(lens: torch.Tensor, dev: torch.device) -> torch.Tensor:
+    """lens as int32, contiguous, on dev: itself when it already is (no dispatch: host time)."""
+    if lens.dtype is torch.int32 and lens.device == dev and lens.is_contiguous():
+        return lens
+    return lens.to(device=dev, dtype=torch.int32).contiguous()

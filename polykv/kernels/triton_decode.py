@@ -98,10 +98,15 @@ def _pv(acc, alpha, p, VC, VS, VCENT, v_off, vs_off, vs0, nvalid, nmask, g: tl.c
 
 
 @triton.jit
-def _split_bounds(KV_LENS, KV_START, b, pid_s, SPLIT_LEN, BLOCK_N: tl.constexpr,
-                  HAS_START: tl.constexpr):
-    """(kv_len, kv_start, start, end) of split pid_s of sequence b. Left padding (HAS_START): rows
-    before kv_start are not keys, the loop starts at the tile that holds it (kv_start = 0 else)."""
+def _split_bounds(KV_LENS, KV_START, QSHIFT, b, pid_s, SPLIT_LEN, BLOCK_N: tl.constexpr,
+                  HAS_START: tl.constexpr, HAS_QSHIFT: tl.constexpr, HAS_WINDOW: tl.constexpr,
+                  N_Q, WINDOW):
+    """(kv_len, kv_start, start, end, q_end) of split pid_s of sequence b. Left padding
+    (HAS_START): rows before kv_start are not keys, the loop starts at the tile that holds it
+    (kv_start = 0 else). The queries sit at q_end - N_Q .. q_end - 1: q_end = kv_len, or with
+    HAS_QSHIFT kv_len + QSHIFT[b] (keys that end before the queries: a sliding-window layer's
+    shared prefix, its agent's suffix rows in between). With a window the loop starts at the tile
+    of the first query's first visible key."""
     kv_len = tl.load(KV_LENS + b)
     start = pid_s * SPLIT_LEN
     end = tl.minimum(start + SPLIT_LEN, kv_len)
@@ -109,7 +114,13 @@ def _split_bounds(KV_LENS, KV_START, b, pid_s, SPLIT_LEN, BLOCK_N: tl.constexpr,
     if HAS_START:
         kv_start = tl.load(KV_START + b)
         start = tl.maximum(start, (kv_start // BLOCK_N) * BLOCK_N)
-    return kv_len, kv_start, start, end
+    q_end = kv_len
+    if HAS_QSHIFT:
+        q_end += tl.load(QSHIFT + b)
+    if HAS_WINDOW:
+        first = tl.maximum(q_end - N_Q - WINDOW + 1, 0)
+        start = tl.maximum(start, (first // BLOCK_N) * BLOCK_N)
+    return kv_len, kv_start, start, end, q_end
 
 
 @triton.jit
@@ -135,13 +146,13 @@ def _row_index(PT, PT_STRIDE, b, n0, offs_n, PAGE: tl.constexpr, BLOCK_N: tl.con
 
 
 @triton.jit
-def _query_rows(pid_bh, pid_m, BLOCK_M: tl.constexpr, M_TOTAL, N_Q, kv_len):
+def _query_rows(pid_bh, pid_m, BLOCK_M: tl.constexpr, M_TOTAL, N_Q, q_end):
     """Row tile pid_m of a (sequence, KV head): (valid mask, global q row int64, the query's
-    position in the sequence) — row r = head_in_group * n_q + j sits at kv_len - n_q + j."""
+    position in the sequence) — row r = head_in_group * n_q + j sits at q_end - n_q + j."""
     rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     rmask = rows < M_TOTAL
     q_rows = pid_bh.to(tl.int64) * M_TOTAL + rows
-    qpos = kv_len - N_Q + rows % N_Q
+    qpos = q_end - N_Q + rows % N_Q
     return rmask, q_rows, qpos
 
 
@@ -160,7 +171,7 @@ def _store_split_lse(m_i, l_i, L_PART, q_rows, rmask, N_SPLITS, split):
 
 @triton.jit
 def _decode_kernel(
-        Q, KC, KS, VC, VS, KCENT, VCENT, KV_LENS, KV_START, PT, O_PART, L_PART,
+        Q, KC, KS, VC, VS, KCENT, VCENT, KV_LENS, KV_START, PT, O_PART, L_PART, QSHIFT,
         skb, skh, sks, sksb, sksh, skss,
         svb, svh, svs, svsb, svsh, svss,
         HKV, M_TOTAL, N_Q, SPLIT_LEN, N_SPLITS, SPLIT0, qk_scale, WINDOW, PT_STRIDE,
@@ -170,6 +181,7 @@ def _decode_kernel(
         V_KIND: tl.constexpr, V_BITS: tl.constexpr, V_G: tl.constexpr, V_GW: tl.constexpr,
         V_NPH: tl.constexpr, V_DEC: tl.constexpr,
         CAUSAL: tl.constexpr, HAS_WINDOW: tl.constexpr, HAS_START: tl.constexpr,
+        HAS_QSHIFT: tl.constexpr,
         KA0: tl.constexpr, KA1: tl.constexpr, KA2: tl.constexpr, KA3: tl.constexpr,
         KA4: tl.constexpr, KA5: tl.constexpr, KA6: tl.constexpr, KA7: tl.constexpr,
         VA0: tl.constexpr, VA1: tl.constexpr, VA2: tl.constexpr, VA3: tl.constexpr,
@@ -184,10 +196,11 @@ def _decode_kernel(
     NGK: tl.constexpr = D // K_GW
     NGV: tl.constexpr = D // V_GW
 
-    kv_len, kv_start, start, end = _split_bounds(KV_LENS, KV_START, b, pid_s, SPLIT_LEN,
-                                                 BLOCK_N, HAS_START)
+    kv_len, kv_start, start, end, q_end = _split_bounds(
+        KV_LENS, KV_START, QSHIFT, b, pid_s, SPLIT_LEN, BLOCK_N, HAS_START, HAS_QSHIFT, HAS_WINDOW,
+        N_Q, WINDOW)
 
-    rmask, q_rows, qpos = _query_rows(pid_bh, pid_m, BLOCK_M, M_TOTAL, N_Q, kv_len)
+    rmask, q_rows, qpos = _query_rows(pid_bh, pid_m, BLOCK_M, M_TOTAL, N_Q, q_end)
 
     # q in the K tiles' column order (triton_codec.perm_cols), loaded once per program
     q0 = _load_q(Q, q_rows, rmask, 0, K_GW, K_NPH, D)
@@ -451,17 +464,21 @@ class _DecodePlan(NamedTuple):
     pt: torch.Tensor  # the page-table argument of unpaged launches (a placeholder)
 
     def __call__(self, qp: torch.Tensor, k: Packed, v: Packed, kv_lens: torch.Tensor,
-                 kv_start: torch.Tensor | None = None,
-                 page_table: torch.Tensor | None = None) -> SplitParts:
+                 kv_start: torch.Tensor | None = None, page_table: torch.Tensor | None = None,
+                 parts: tuple | None = None, q_shift: torch.Tensor | None = None) -> SplitParts:
         """The planned split pass on these tensors (decode_parts' arguments, already int32 on the
-        device): fresh partial buffers, one launch."""
-        dev = qp.device
-        o_part = torch.empty(self.o_numel, dtype=torch.float32, device=dev)
-        l_part = torch.empty(self.l_numel, dtype=torch.float32, device=dev)
+        device), one launch; parts: its (o, lse) partial buffers (float32, o_numel / l_numel),
+        else fresh ones."""
+        if parts is None:
+            dev = qp.device
+            parts = (torch.empty(self.o_numel, dtype=torch.float32, device=dev),
+                     torch.empty(self.l_numel, dtype=torch.float32, device=dev))
+        o_part, l_part = parts
         self.launch(qp, k.codes, k.codes if k.scales is None else k.scales, v.codes,
                     v.codes if v.scales is None else v.scales, self.kcent, self.vcent, kv_lens,
                     kv_lens if kv_start is None else kv_start,
-                    self.pt if page_table is None else page_table, o_part, l_part)
+                    self.pt if page_table is None else page_table, o_part, l_part,
+                    kv_lens if q_shift is None else q_shift)
         return SplitParts(o_part, l_part, self.n_splits)
 
 
@@ -482,7 +499,7 @@ def decode_parts(qp: torch.Tensor, n_q: int, k: Packed, v: Packed, k_codec, v_co
                  num_warps: int | None = None, num_stages: int = 2, block_n: int | None = None,
                  dec: str = "auto", impl: str = "auto", maxnreg: int | None = None,
                  page_table: torch.Tensor | None = None, page_size: int = 0,
-                 kv_start: torch.Tensor | None = None,
+                 kv_start: torch.Tensor | None = None, q_shift: torch.Tensor | None = None,
                  vector_factors: bool = True, split_len: int | None = None,
                  max_split: int = 0, chunks=None, total_rows: int = 0,
                  rec: list | None = None) -> SplitParts:
@@ -504,24 +521,29 @@ def decode_parts(qp: torch.Tensor, n_q: int, k: Packed, v: Packed, k_codec, v_co
     joined rows, bit for bit. page_table int32 [B, max_pages] (with
     page_size): k, v are a page pool (leading [1, Hkv, rows]) and row n of sequence b lives at
     page_table[b, n // page_size] * page_size + n % page_size. kv_start int32 [B]: rows before it
-    are left padding, never keys. Returns the splits' partial results (`SplitParts`; rows
+    are left padding, never keys. q_shift int32 [B]: sequence b's queries sit q_shift[b] rows
+    after its last key (at kv_len + q_shift - n_q + j; default 0), for the causal and window
+    masks — keys that end before the queries (`dispatch.cascade_attention`'s windowed prefix).
+    Returns the splits' partial results (`SplitParts`; rows
     [B, Hkv, M], V's storage domain). rec: the launch's plan (`_DecodePlan`, None where this call
     is not planned) is appended to it."""
     B, Hkv, M, D = qp.shape
     dev = qp.device
     plan_key = None
     if (chunks is None and _plannable(dev)
-            and all(t is None or (t.dtype == torch.int32 and t.device == dev) for t in (page_table, kv_start))):
+            and all(t is None or (t.dtype == torch.int32 and t.device == dev)
+                    for t in (page_table, kv_start, q_shift))):
         plan_key = ("decode", dev.index, _tkey(qp), n_q, _tkey(k.codes), _tkey(k.scales), _tkey(v.codes),
                     _tkey(v.scales), _codec_key(k_codec), _codec_key(v_codec), _tkey(kv_lens), causal,
-                    window, sm_scale, _tkey(page_table), page_size, _tkey(kv_start), block_m_max,
+                    window, sm_scale, _tkey(page_table), page_size, _tkey(kv_start), _tkey(q_shift),
+                    block_m_max,
                     target_programs, num_warps, num_stages, block_n, dec, impl, maxnreg,
                     vector_factors, split_len, max_split)
         p = _PLANS.get(plan_key)
         if p is not None:
             if rec is not None:
                 rec.append(p)
-            return p(qp, k, v, kv_lens, kv_start, page_table)
+            return p(qp, k, v, kv_lens, kv_start, page_table, q_shift=q_shift)
     if impl == "auto":  # H200 v5 sweep: phase for decode-sized row tiles, tile for the cascade
         impl = ("phase" if M <= PHASE_MAX_ROWS and phase_ok(k_codec) and phase_ok(v_codec)
                 else "tile")
@@ -615,17 +637,18 @@ def decode_parts(qp: torch.Tensor, n_q: int, k: Packed, v: Packed, k_codec, v_co
             kernel, (B * Hkv, max(1, cdiv(rows, split_len)), n_mt), qp, kc, ks, vc, vs, kcent, vcent, lens,
             lens if kv_start is None else kv_start.to(device=dev, dtype=torch.int32),
             page_table, o_part, l_part,
+            lens if q_shift is None else q_shift.to(device=dev, dtype=torch.int32),
             *kcs, *kss, *vcs, *vss,
             Hkv, M, n_q, split_len, n_splits, row0 // split_len, sm_scale * LOG2E,
             int(window or 0), pt_stride,
             D=D, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, PAGE=int(page_size) if paged else 0,
             **codec_args("K", km, kd, kp, kss), **codec_args("V", vm, vd, vp, vss),
             CAUSAL=bool(causal), HAS_WINDOW=window is not None, HAS_START=kv_start is not None,
-            KA0=ka[0], KA1=ka[1], KA2=ka[2], KA3=ka[3], KA4=ka[4], KA5=ka[5], KA6=ka[6],
+            HAS_QSHIFT=q_shift is not None, KA0=ka[0], KA1=ka[1], KA2=ka[2], KA3=ka[3], KA4=ka[4], KA5=ka[5], KA6=ka[6],
             KA7=ka[7], VA0=va[0], VA1=va[1], VA2=va[2], VA3=va[3], VA4=va[4], VA5=va[5],
             VA6=va[6], VA7=va[7], num_warps=num_warps, num_stages=num_stages, **extra,
             **({"PDL": True, "launch_pdl": True} if phase and pdl_ok(dev) else {}),
-            plan=12 if plan_key is not None else 0)
+            plan=13 if plan_key is not None else 0)
 
     for i, part in enumerate(chunks):
         if i == 0 and (k_dec or v_dec) and dec == "auto":
@@ -868,7 +891,7 @@ def _tile_factors(S, off, nmask, KIND: tl.constexpr, N: tl.constexpr):
 
 @triton.jit
 def _phase_decode_kernel(
-        Q, KC, KS, VC, VS, KCENT, VCENT, KV_LENS, KV_START, PT, O_PART, L_PART,
+        Q, KC, KS, VC, VS, KCENT, VCENT, KV_LENS, KV_START, PT, O_PART, L_PART, QSHIFT,
         skb, skh, sks, sksb, sksh, skss,
         svb, svh, svs, svsb, svsh, svss,
         HKV, M_TOTAL, N_Q, SPLIT_LEN, N_SPLITS, SPLIT0, qk_scale, WINDOW, PT_STRIDE,
@@ -878,6 +901,7 @@ def _phase_decode_kernel(
         V_KIND: tl.constexpr, V_BITS: tl.constexpr, V_G: tl.constexpr, V_NG: tl.constexpr,
         V_NPH: tl.constexpr, V_NSB: tl.constexpr, V_PW: tl.constexpr, V_DEC: tl.constexpr,
         CAUSAL: tl.constexpr, HAS_WINDOW: tl.constexpr, HAS_START: tl.constexpr,
+        HAS_QSHIFT: tl.constexpr,
         KA0: tl.constexpr, KA1: tl.constexpr, KA2: tl.constexpr, KA3: tl.constexpr,
         KA4: tl.constexpr, KA5: tl.constexpr, KA6: tl.constexpr, KA7: tl.constexpr,
         VA0: tl.constexpr, VA1: tl.constexpr, VA2: tl.constexpr, VA3: tl.constexpr,
@@ -901,10 +925,11 @@ def _phase_decode_kernel(
     K_NP: tl.constexpr = K_NG * K_NPH * K_NSB
     V_NP: tl.constexpr = V_NG * V_NPH * V_NSB
 
-    kv_len, kv_start, start, end = _split_bounds(KV_LENS, KV_START, b, pid_s, SPLIT_LEN,
-                                                 BLOCK_N, HAS_START)
+    kv_len, kv_start, start, end, q_end = _split_bounds(
+        KV_LENS, KV_START, QSHIFT, b, pid_s, SPLIT_LEN, BLOCK_N, HAS_START, HAS_QSHIFT, HAS_WINDOW,
+        N_Q, WINDOW)
 
-    rmask, q_rows, qpos = _query_rows(pid_bh, pid_m, BLOCK_M, M_TOTAL, N_Q, kv_len)
+    rmask, q_rows, qpos = _query_rows(pid_bh, pid_m, BLOCK_M, M_TOTAL, N_Q, q_end)
 
     # q^T phases [K_PW, BLOCK_M] fp16, loaded once
     kw = tl.arange(0, K_PW)

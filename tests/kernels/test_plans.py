@@ -55,7 +55,7 @@ def test_repeated_decode_takes_its_plans_with_the_same_tensors(launches):
     out2, lse2 = dispatch.attention_decode(q2, kp, vp, kc, vc, kv_lens=lens2)
     assert len(launches) == 2  # no full path: both launches planned
     (t,), (c,) = dplan.calls, cplan.calls
-    assert len(t) == 12 and len(c) == 6
+    assert len(t) == 13 and len(c) == 6
     assert torch.equal(t[0], q2.reshape(2, 2, 4, 128))  # the query rows, this call's
     assert all(a is b for a, b in zip(t[1:7], dargs[1:7]))  # codes, factors, codebooks
     assert t[7] is lens2 and t[8] is lens2 and t[9] is dargs[9]  # lengths (no left padding), no pages
@@ -146,3 +146,32 @@ def test_a_repeated_cascade_runs_its_call_plan(launches, monkeypatch):
     assert c[0] is w[6] and c[1] is w[7] and c[2] is sp[10] and c[3] is sp[11]
     assert c[4] is out and c[5] is lse and out.shape == (5, 8, 1, 128) and lse.shape == (5, 8, 1)
     assert len(launches) == 3  # nothing took the launch path
+    # the partials share one allocation; each starts 64-byte aligned, as the launches were keyed
+    parts = (w[6], w[7], sp[10], sp[11])
+    assert all(p.data_ptr() % 64 == 0 for p in parts)
+    assert all(p.numel() >= a.numel() for p, a in zip(parts, (wargs[6], wargs[7], sargs[10], sargs[11])))
+    assert len({p.untyped_storage().data_ptr() for p in parts}) == 1
+
+
+def test_a_cascade_tuned_with_nested_dicts_is_planned(launches, monkeypatch):
+    """prefix_tune={"ws": {...}} (dicts in the tuning) keys a call plan like any other tuning."""
+    from polykv.kernels import gluon_prefix, triton_cascade
+
+    monkeypatch.setattr(td, "_CALLS", {})
+    monkeypatch.setattr(gluon_prefix, "cached_launch", td.cached_launch)
+    monkeypatch.setattr(triton_cascade, "ws_ok", lambda qp, kc, vc: True)
+    g = torch.Generator().manual_seed(5)
+    kc, vc = get_codec("q8_0", 128), get_codec("turbo3", 128)
+    pk, pv = kc.encode(torch.randn(1, 2, 64, 128, generator=g)), vc.encode(torch.randn(1, 2, 64, 128, generator=g))
+    sk, sv = kc.encode(torch.randn(3, 2, 8, 128, generator=g)), vc.encode(torch.randn(3, 2, 8, 128, generator=g))
+    sl = torch.tensor([8, 1, 5], dtype=torch.int32)
+    q = torch.randn(3, 8, 1, 128, generator=g)
+    tune = {"prefix_tune": {"ws": {"stages": 2}}}
+    dispatch.cascade_attention(q, pk, pv, sk, sv, sl, kc, vc, **tune)
+    assert len(launches) == 3 and len(td._CALLS) == 1
+    dispatch.cascade_attention(q, pk, pv, sk, sv, sl, kc, vc, **tune)
+    assert len(launches) == 3  # the second call: its plan
+    dispatch.cascade_attention(q, pk, pv, sk, sv, sl, kc, vc, prefix_tune={"ws": {"stages": 3}})
+    # other tuning, another call plan: the prefix pass launched anew (its split and combine
+    # launches are unchanged: their own plans serve)
+    assert [_name(e) for e in launches[3:]] == ["_ws_prefix_kernel"] and len(td._CALLS) == 2
