@@ -2,9 +2,9 @@
 suffixes (`cascade_attention`), and document prefill (`prefill_attention*`, materialize path).
 
 `cascade_attention` runs `polykv.kernels.dispatch.cascade_attention` where a Triton kernel runs
-(full-attention layers on CUDA, or the interpreter in tests) and otherwise (CPU, sliding-window
-layers, which the kernel contract does not cover, or when dispatch cannot be imported) the one torch
-reference, `polykv.kernels.reference.cascade_attention_ref`: the prefix decoded once per call for
+(CUDA, or the interpreter in tests; sliding-window layers included) and otherwise (CPU, or when
+dispatch cannot be imported) the one torch reference,
+`polykv.kernels.reference.cascade_attention_ref`: the prefix decoded once per call for
 all agents, never a dense copy per agent, bounded score memory, turbo codecs read in the rotated
 domain. Shapes and rules: reference.py's Conventions (Cascade).
 """
@@ -39,9 +39,10 @@ def cascade_attention(q, prefix_k, prefix_v, suffix_k, suffix_v, suffix_lens, k_
                       suffix_rows: int | None = None, prefix_chunks=None, prefix_rows: int = 0):
     """Cascade attention (reference.py's Conventions, Cascade) of q [N, Hq, n_q, D].
 
-    Full-attention layers go to `dispatch.cascade_attention` when it would run a Triton kernel (CUDA
-    tensors, or the interpreter in tests), or always with backend="dispatch"; everything else (CPU,
-    sliding-window layers: window / prefix_start / prefix_end) runs `cascade_attention_ref`.
+    Calls go to `dispatch.cascade_attention` when it would run a Triton kernel (CUDA tensors, or the
+    interpreter in tests), or always with backend="dispatch" — sliding-window layers too (window /
+    prefix_start / prefix_end: the kernels' windowed cascade); everything else (CPU) runs
+    `cascade_attention_ref`.
 
     suffix_pages int32 [N, max_pages] / page_size: suffix_k / suffix_v are page pools (leading
     [1, Hkv, rows]); the kernels read them through the table, the reference gets the first
@@ -51,15 +52,19 @@ def cascade_attention(q, prefix_k, prefix_v, suffix_k, suffix_v, suffix_lens, k_
     iterable of chunks (k, v, row0) of prefix_rows rows, consumed one at a time: the kernels
     compute the splits of the joined prefix chunk by chunk, the reference joins the chunks — the
     values of the joined prefix, bit for bit (`dispatch.cascade_attention`)."""
-    mod = _dispatch_module() if window is None and backend in ("auto", "dispatch") else None
+    mod = _dispatch_module() if backend in ("auto", "dispatch") else None
     if backend == "dispatch" and mod is None:
         raise RuntimeError("polykv.kernels.dispatch.cascade_attention is not available here")
     if mod is not None and (backend == "dispatch" or mod.use_triton(q, suffix_k.codes)):
+        if window is not None and suffix_pages is not None and suffix_rows == 0:
+            suffix_pages = suffix_pages[:, :0]  # lengths that place the queries, no suffix row
         return mod.cascade_attention(q, prefix_k, prefix_v, suffix_k, suffix_v,
                                      suffix_lens.to(device=q.device, dtype=torch.int32), k_codec,
                                      v_codec, sm_scale=sm_scale, k_innerq=k_innerq,
                                      suffix_pages=suffix_pages, page_size=page_size,
-                                     prefix_chunks=prefix_chunks, prefix_rows=prefix_rows)
+                                     prefix_chunks=prefix_chunks, prefix_rows=prefix_rows,
+                                     window=window, prefix_start=prefix_start,
+                                     prefix_end=prefix_end)
     if prefix_chunks is not None:
         parts = list(prefix_chunks)
         prefix_k, prefix_v = (Packed.cat([c[i] for c in parts]) for i in (0, 1))

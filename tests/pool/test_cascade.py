@@ -94,3 +94,46 @@ def test_pool_cascade_on_cpu_is_the_reference(monkeypatch, win):
               for p in (pool_k, pool_v))
     o2, l2 = reference.cascade_attention_ref(q, pk, pv, sk, sv, sl, kc, vc, k_innerq=s, **kw)
     assert torch.equal(out, o2) and torch.equal(lse, l2)
+
+
+def _rel(a, b):
+    return float((a.double() - b.double()).norm() / b.double().norm())
+
+
+def test_pool_sliding_layer_takes_the_kernels(monkeypatch):
+    """A sliding-window layer (the document's last rows, paged suffixes) goes to the kernels'
+    windowed cascade where they run (the interpreter here), not to the reference; whole and
+    streamed in chunks (later chunks: lengths that place the queries, no suffix row) it gives the
+    reference's values."""
+    from polykv.kernels import dispatch
+    from polykv.pool.attention import streamed_cascade_attention
+
+    monkeypatch.setenv("POLYKV_TRITON_ON_CPU", "1")
+    monkeypatch.delenv("POLYKV_FORCE_REFERENCE", raising=False)
+    torch.manual_seed(3)
+    N, Hkv, g, D, page, W, P, start = 3, 2, 4, 128, 32, 48, 47, 153  # rows 153..199 of a 200-token doc
+    kc, vc = get_codec("q8_0", D), get_codec("turbo3", D)
+    pk, pv = kc.encode(torch.randn(1, Hkv, P, D)), vc.encode(torch.randn(1, Hkv, P, D))
+    pool_k, pool_v = (c.encode(torch.randn(1, Hkv, 4 * page, D)) for c in (kc, vc))
+    tab = torch.tensor([[3, 1], [0, 2], [2, 2]], dtype=torch.int32)
+    sl = torch.tensor([40, 1, 20], dtype=torch.int32)
+    q = torch.randn(N, Hkv * g, 1, D, dtype=torch.float16)
+    kw = dict(window=W, prefix_start=start, prefix_end=start + P, suffix_pages=tab, page_size=page)
+    calls = []
+    monkeypatch.setattr(attention, "cascade_attention_ref", lambda *a, **k: calls.append(1))
+    kernel_calls = []
+    real = dispatch._windowed_cascade
+    monkeypatch.setattr(dispatch, "_windowed_cascade",
+                        lambda *a, **k: kernel_calls.append(1) or real(*a, **k))
+    out, lse = cascade_attention(q, pk, pv, pool_k, pool_v, sl, kc, vc, suffix_rows=40, **kw)
+    assert not calls and kernel_calls
+    sk, sv = (dispatch.gather_pages(p, tab, page) for p in (pool_k, pool_v))
+    ref_kw = dict(window=W, prefix_start=start, prefix_end=start + P)
+    o2, l2 = reference.cascade_attention_ref(q, pk, pv, sk, sv, sl, kc, vc, **ref_kw)
+    assert _rel(out, o2) < 1e-2 and (lse - l2).abs().max() < 1e-2
+    cut = lambda p, a, b: p.index((slice(None), slice(None), slice(a, b)))  # noqa: E731
+    chunks = [(cut(pk, r, r + 16), cut(pv, r, r + 16), r) for r in range(0, P, 16)]
+    got, got_lse = streamed_cascade_attention(q, chunks, pool_k, pool_v, sl, kc, vc,
+                                              prefix_end=start + P, window=W, prefix_start=start,
+                                              suffix_pages=tab, page_size=page, suffix_rows=40)
+    assert _rel(got, o2) < 1e-2 and (got_lse - l2).abs().max() < 1e-2
