@@ -365,14 +365,14 @@ class AgentCache(Cache):
                 out_m, lse_m = cascade_attention(query, doc.keys(), doc.values(), sk, sv, main, doc.k_codec,
                                                  doc.v_codec, **common, **paged)
         else:
-            none = (slice(None), slice(None), slice(0, 0))
-            ek, ev = sk.index(none), sv.index(none)  # a 0-row suffix: the prefix pass alone
+            # the prefix pass alone: suffix_rows=0 reads no suffix row, the lengths place the queries
+            paged = dict(suffix_pages=table, page_size=P, suffix_rows=0)
             if self.streamed:
-                out_m, lse_m = streamed_cascade_attention(query, self.streamer.chunks(doc), ek, ev, lens,
-                                                          doc.k_codec, doc.v_codec, **common)
+                out_m, lse_m = streamed_cascade_attention(query, self.streamer.chunks(doc), sk, sv, lens,
+                                                          doc.k_codec, doc.v_codec, **common, **paged)
             else:
-                out_m, lse_m = cascade_attention(query, doc.keys(), doc.values(), ek, ev, lens, doc.k_codec,
-                                                 doc.v_codec, **common)
+                out_m, lse_m = cascade_attention(query, doc.keys(), doc.values(), sk, sv, lens, doc.k_codec,
+                                                 doc.v_codec, **common, **paged)
             rows = max(1, int(g.seq))
             n_pages = -(-rows // P)
             dk, dv = (dispatch.gather_pages(p, table[:, :n_pages], P).index(

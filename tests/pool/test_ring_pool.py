@@ -188,3 +188,24 @@ def test_the_store_keeps_the_window(tiny, tmp_path):
     edit_manifest(tmp_path / "s", lambda m: m["codec"].update(recent=0))
     with pytest.raises(PoolFormatError, match="codec.recent"):
         SharedKVPool.load(tmp_path / "s", model, tok)
+
+
+def test_host_tier_document_streams_under_the_windows(model_tok):
+    """A host-tier document (prefix streamed in chunks) with windows: the resident document's
+    logits (full layers: the chunks joined; sliding layers: merged per chunk, float rounding)."""
+    model, tok = model_tok
+    pool = SharedKVPool(model, tok, k="q8_0", v="turbo3", recent=3, prefill_chunk=16,
+                        host_budget_bytes=1 << 30, stream_chunk_rows=16)
+    resident = _logits(pool)
+    doc = pool.add_document(DOC)
+    pool.move(doc, "host")
+    out = []
+    with pool.open_batch(doc, capacity=len(PROMPTS), promote=False) as b:
+        assert b.cache.streamed and b.cache.rings is not None
+        aids = [b.add(p) for p in PROMPTS]
+        out.append(torch.stack([b.step()[a] for a in aids]))
+        for f in ((30, 31, 32, 33), (34, 35, 36, 37), (38, 39, 40, 41)):
+            b.feed(dict(zip(aids, f)))
+            out.append(torch.stack([b.step()[a] for a in aids]))
+    for x, y in zip(resident, out):
+        torch.testing.assert_close(y, x, rtol=1e-5, atol=1e-5)
