@@ -295,15 +295,18 @@ def _decode_kernel(
 def _combine_kernel(PO, PL, SO, SL, OUT, LSE, ROT, HKV, M, N_AGENTS, NSP, NSS,
                             D: tl.constexpr, NSP_P2: tl.constexpr, NSS_P2: tl.constexpr,
                             G: tl.constexpr, HAS_S: tl.constexpr, UNROT: tl.constexpr,
+                            NSP_CH: tl.constexpr = 1, NSS_CH: tl.constexpr = 1,
                             PDL: tl.constexpr = False):
     """Merge the splits of output row r (one program per row) by log-sum-exp: the splits of a
     first pass P (PO / PL), whose row for r = (n * HKV + h) * M + mm is (h * N_AGENTS + n) * M + mm
     (the cascade's prefix pass keeps all agents of a KV head side by side; HKV = 1 makes it r), and
-    with HAS_S those of a second pass S (SO / SL) at row r — all splits of both loaded at once
-    ([splits, G] tiles). With UNROT the row goes from V's storage domain back to true space
-    (y_g = o_g @ M^T per group of G, ROT = M float32 [G, G]); stored in OUT's dtype: the whole
-    epilogue of a decode or cascade call in one launch. PDL: launched as a programmatic dependent
-    of the split pass (`pdl_ok`), so it waits for that pass's results here."""
+    with HAS_S those of a second pass S (SO / SL) at row r — every split's LSE weight first, then
+    the outputs in [NSP_P2, G] / [NSS_P2, G] tiles (NSP_P2, NSS_P2: at most COMBINE_CHUNK splits
+    per tile; NSP_CH / NSS_CH tiles, unrolled: a [splits, G] tile never outgrows the registers).
+    With UNROT the row goes from V's storage domain back to true space (y_g = o_g @ M^T per group
+    of G, ROT = M float32 [G, G]); stored in OUT's dtype: the whole epilogue of a decode or cascade
+    call in one launch. PDL: launched as a programmatic dependent of the split pass (`pdl_ok`), so
+    it waits for that pass's results here."""
     if PDL:
         gdc_wait()
     r = tl.program_id(0).to(tl.int64)
@@ -311,37 +314,55 @@ def _combine_kernel(PO, PL, SO, SL, OUT, LSE, ROT, HKV, M, N_AGENTS, NSP, NSS,
     h = (r // M) % HKV
     pr = (h * N_AGENTS + n) * M + r % M
     sp = tl.arange(0, NSP_P2)
-    pmask = sp < NSP
-    lp = tl.load(PL + pr * NSP + sp, mask=pmask, other=float("-inf"))
-    m = tl.max(lp, 0)
+    ss = tl.arange(0, NSS_P2)
+    m = float("-inf")
+    for c in tl.static_range(0, NSP_CH * NSP_P2, NSP_P2):
+        m = tl.maximum(m, tl.max(tl.load(PL + pr * NSP + c + sp, mask=c + sp < NSP,
+                                         other=float("-inf")), 0))
     if HAS_S:
-        ss = tl.arange(0, NSS_P2)
-        smask = ss < NSS
-        ls = tl.load(SL + r * NSS + ss, mask=smask, other=float("-inf"))
-        m = tl.maximum(m, tl.max(ls, 0))
+        for c in tl.static_range(0, NSS_CH * NSS_P2, NSS_P2):
+            m = tl.maximum(m, tl.max(tl.load(SL + r * NSS + c + ss, mask=c + ss < NSS,
+                                             other=float("-inf")), 0))
     m_safe = tl.where(m == float("-inf"), 0.0, m)
-    wp = tl.exp(lp - m_safe)  # 0 for absent splits
-    tot = tl.sum(wp, 0)
+    tot = 0.0
+    for c in tl.static_range(0, NSP_CH * NSP_P2, NSP_P2):
+        tot += tl.sum(tl.exp(tl.load(PL + pr * NSP + c + sp, mask=c + sp < NSP,
+                                     other=float("-inf")) - m_safe), 0)  # 0 for absent splits
     if HAS_S:
-        ws = tl.exp(ls - m_safe)
-        tot += tl.sum(ws, 0)
+        for c in tl.static_range(0, NSS_CH * NSS_P2, NSS_P2):
+            tot += tl.sum(tl.exp(tl.load(SL + r * NSS + c + ss, mask=c + ss < NSS,
+                                         other=float("-inf")) - m_safe), 0)
     den = tl.where(tot > 0, tot, 1.0)
     gi = tl.arange(0, G)
     if UNROT:
         mt = tl.load(ROT + gi[None, :] * G + gi[:, None])  # mt[i, j] = M[j, i]
     for g in tl.static_range(D // G):
         d = g * G + gi
-        o = tl.load(PO + (pr * NSP + sp)[:, None] * D + d[None, :], mask=pmask[:, None], other=0.0)
-        acc = tl.sum(o * wp[:, None], 0)
-        if HAS_S:
-            o = tl.load(SO + (r * NSS + ss)[:, None] * D + d[None, :], mask=smask[:, None],
+        acc = tl.zeros([G], tl.float32)
+        for c in tl.static_range(0, NSP_CH * NSP_P2, NSP_P2):
+            pm = c + sp < NSP
+            w = tl.exp(tl.load(PL + pr * NSP + c + sp, mask=pm, other=float("-inf")) - m_safe)
+            o = tl.load(PO + (pr * NSP + c + sp)[:, None] * D + d[None, :], mask=pm[:, None],
                         other=0.0)
-            acc += tl.sum(o * ws[:, None], 0)
+            acc += tl.sum(o * w[:, None], 0)
+        if HAS_S:
+            for c in tl.static_range(0, NSS_CH * NSS_P2, NSS_P2):
+                sm = c + ss < NSS
+                w = tl.exp(tl.load(SL + r * NSS + c + ss, mask=sm, other=float("-inf")) - m_safe)
+                o = tl.load(SO + (r * NSS + c + ss)[:, None] * D + d[None, :], mask=sm[:, None],
+                            other=0.0)
+                acc += tl.sum(o * w[:, None], 0)
         out = acc / den
         if UNROT:  # true space: y_g = o_g @ M^T, per rotation group
             out = tl.sum(out[:, None] * mt, 0)
         tl.store(OUT + r * D + d, out.to(OUT.dtype.element_ty))
     tl.store(LSE + r, tl.where(tot > 0, m_safe + tl.log(den), float("-inf")))
+
+
+#: Splits per [splits, G] tile of the combine (more are read in chunks of this many): 128 is the
+#: 64k decode's split count (one tile, as before chunking); a full-attention layer with one KV head
+#: plans up to 512 splits, whose single tile spilled (Gemma-3 shapes: 36 us per combine).
+COMBINE_CHUNK = 128
 
 
 def _strides(p: Packed, bcast_b: bool):
@@ -721,7 +742,9 @@ def combine_splits(parts: SplitParts, shape: tuple, v_codec, out_dtype: torch.dt
             _combine_kernel, (rows,), parts.o, parts.lse, s.o, s.lse, out, lse,
             rotation_matrix(v_codec.group, dev) if unrot else placeholder(dev),
             *((Hkv, M, B) if heads_major else (1, 1, 1)), parts.n_splits, nss, D=D,
-            NSP_P2=next_pow2(parts.n_splits), NSS_P2=next_pow2(nss),
+            NSP_P2=min(COMBINE_CHUNK, next_pow2(parts.n_splits)),
+            NSS_P2=min(COMBINE_CHUNK, next_pow2(nss)),
+            NSP_CH=cdiv(parts.n_splits, COMBINE_CHUNK), NSS_CH=cdiv(nss, COMBINE_CHUNK),
             G=v_codec.group if unrot else D, HAS_S=second is not None, UNROT=unrot,
             **({"PDL": True, "launch_pdl": True} if pdl_ok(dev) else {}),
             plan=6 if plan_key is not None else 0)

@@ -99,3 +99,23 @@ def test_windowed_cascade_refuses_prefix_chunks():
     with pytest.raises(ValueError, match="prefix_chunks"):
         cascade_attention(q, None, None, sk, sv, torch.tensor([4], dtype=torch.int32), kc, vc,
                           prefix_chunks=[(pk, pv, 0)], prefix_rows=64, window=16)
+
+
+def test_combine_reads_more_splits_than_one_tile():
+    """More splits than a combine tile holds (triton_decode.COMBINE_CHUNK): read chunk by chunk,
+    the reference's values (a full-attention layer with one KV head plans up to 512 splits)."""
+    from polykv.kernels import attention_decode, attention_decode_ref
+    from polykv.kernels import triton_decode as td
+
+    torch.manual_seed(2)
+    S, D = td.COMBINE_CHUNK * 64 + 130, 128
+    kc, vc = get_codec("q8_0", D), get_codec("turbo3", D)
+    k, v = kc.encode(torch.randn(1, 1, S, D)), vc.encode(torch.randn(1, 1, S, D))
+    q = torch.randn(1, 4, 1, D, dtype=torch.float16)
+    out, lse = attention_decode(q, k, v, kc, vc, split_len=64)  # (imports the kernels first)
+    parts = td.decode_parts(q.reshape(1, 1, 4, D).float(), 1, k, v, kc, vc,
+                            torch.tensor([S], dtype=torch.int32), causal=True, window=None,
+                            sm_scale=D ** -0.5, split_len=64)
+    assert parts.n_splits > td.COMBINE_CHUNK
+    o2, l2 = attention_decode_ref(q, k, v, kc, vc)
+    _close(out, lse, o2, l2)
