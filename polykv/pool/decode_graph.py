@@ -54,8 +54,8 @@ from .agent_cache import AgentCache, Group, dummy_mask
 
 
 def graphs_supported(cache: AgentCache) -> bool:
-    """Captured decode needs CUDA, the Triton kernels (not the forced reference) and full-attention
-    layers (sliding-window layers take the torch cascade, which is not captured).
+    """Captured decode needs CUDA and the Triton kernels (not the forced reference); sliding-window
+    layers are captured too (the kernels' windowed cascade, `dispatch.cascade_attention`).
     POLYKV_CUDA_GRAPHS=0 turns capture off (eager steps, for debugging). Agents with recent
     windows (`cache.rings`, polykv.pool.ring) run eagerly: the window's per-step work is written
     device-only and its static step is tested on CPU (tests/pool/test_ring_static.py), but no CUDA
@@ -67,7 +67,7 @@ def graphs_supported(cache: AgentCache) -> bool:
 
     if getattr(cache, "rings", None) is not None and os.environ.get("POLYKV_RING_GRAPHS", "0") != "1":
         return False
-    return (os.environ.get("POLYKV_CUDA_GRAPHS", "1") != "0" and cache.device.type == "cuda" and all(w is None for w in cache.windows)
+    return (os.environ.get("POLYKV_CUDA_GRAPHS", "1") != "0" and cache.device.type == "cuda"
             and cache.backend == "auto" and dispatch.use_triton(cache.store[0].k.codes))
 
 

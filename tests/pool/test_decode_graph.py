@@ -399,3 +399,19 @@ def test_eager_static_step_runs_without_autograd(tiny, static_graphs, monkeypatc
     with pool.open_batch(doc, capacity=4, seq_capacity=16) as b:
         b._graphs._capture(4, 1)  # outside any no_grad, as a direct call is
         assert b._graphs.widths() == [(4, 1)]
+
+
+def test_static_step_equals_eager_with_sliding_window_layers():
+    """A model with sliding-window layers (Gemma-3) takes the static step too: the same logits and
+    rows as the eager step, windows reaching back into the shared document (window 8, 47 rows)."""
+    from tests.pool.conftest import CharTok, tiny_gemma
+
+    model, tok = tiny_gemma(heads=4, kv_heads=2), CharTok()
+    sufs = [[5, 6, 7], [8, 9], [10, 11, 12, 13], [14]]
+    feeds = [[20, 21, 22, 23], [24, 25, 26, 27], [28, 29, 30, 31], [32, 33, 34, 35],
+             [36, 37, 38, 39], [40, 41, 42, 43]]  # past the window: the document drops out of it
+    a_logits, a_rows, a_lens = _run(model, tok, "q8_0", "turbo3", False, feeds, sufs)
+    b_logits, b_rows, b_lens = _run(model, tok, "q8_0", "turbo3", True, feeds, sufs)
+    assert torch.equal(a_lens, b_lens)
+    for x, y in zip(a_logits, b_logits):
+        torch.testing.assert_close(x, y, rtol=0, atol=1e-5)
