@@ -51,11 +51,10 @@ def _interp() -> bool:
 
 def use_triton(*tensors: torch.Tensor) -> bool:
     """Whether a call on these tensors takes the Triton path."""
-    if _forced() or not triton_available():
-        return False
-    if all(t.is_cuda for t in tensors):
-        return True
-    return _interp() and not any(t.is_cuda for t in tensors)
+    cuda = [t.is_cuda for t in tensors]
+    if all(cuda):
+        return not _forced() and triton_available()
+    return not any(cuda) and _interp() and not _forced() and triton_available()
 
 
 _MODS = None

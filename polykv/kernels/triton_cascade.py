@@ -143,8 +143,8 @@ def cascade_prepared(qp: torch.Tensor, n_q: int, prefix_k: Packed | None, prefix
                               heads_major=True, rec=sub)
     if rec is not None:
         ok = all(p is not None for p in sub)
-        rec.append(CascadePasses(sub[0], sub[1] if suffix is not None else None, sub[-1],
-                                 (N, Hkv, M, D), out_dtype, _prefix_lens(prefix_rows, qp.device))
+        rec.append(CascadePasses.of(sub[0], sub[1] if suffix is not None else None, sub[-1],
+                                    (N, Hkv, M, D), out_dtype, _prefix_lens(prefix_rows, qp.device))
                    if ok else None)
     return out, lse
 
@@ -159,6 +159,16 @@ class CascadePasses(NamedTuple):
     shape: tuple  # qp's [N, Hkv, M, D]
     out_dtype: torch.dtype | None
     prefix_lens: torch.Tensor  # int32 [1]: the prefix's rows
+    part_sizes: tuple  # float32 elements of each pass's (o, lse) partials, in one allocation
+
+    @classmethod
+    def of(cls, prefix: WsPlan, suffix: "_DecodePlan | None", combine: Planned, shape: tuple,
+           out_dtype, prefix_lens: torch.Tensor) -> "CascadePasses":
+        # each partial starts 64-byte aligned, as a fresh buffer would (the launches were
+        # specialised on it)
+        sizes = tuple(-(-n // 16) * 16 for n in (prefix.o_numel, prefix.l_numel, *(
+            (suffix.o_numel, suffix.l_numel) if suffix is not None else ())))
+        return cls(prefix, suffix, combine, shape, out_dtype, prefix_lens, sizes)
 
     def __call__(self, qp: torch.Tensor, prefix_k: Packed, prefix_v: Packed, suffix_k: Packed,
                  suffix_v: Packed, suffix_lens: torch.Tensor, suffix_pages: torch.Tensor | None,
@@ -168,11 +178,9 @@ class CascadePasses(NamedTuple):
         [N, Hq, n_q, D]: no reshape per call). suffix_lens: any integer dtype and device."""
         dev = qp.device
         w, s = self.prefix, self.suffix
-        # the passes' partials in one allocation (host time: one allocator call, not four), each
-        # starting 64-byte aligned as a fresh buffer would (the launches were specialised on it)
-        sizes = tuple(-(-n // 16) * 16 for n in (w.o_numel, w.l_numel, *(
-            (s.o_numel, s.l_numel) if s is not None else ())))
-        parts = torch.empty(sum(sizes), dtype=torch.float32, device=dev).split(sizes)
+        # the passes' partials in one allocation (host time: one allocator call, not four)
+        sizes = self.part_sizes
+        parts = torch.empty(sum(sizes), dtype=torch.float32, device=dev).split_with_sizes(sizes)
         o_p, l_p = parts[0], parts[1]
         w.launch(qp, prefix_k.codes, prefix_k.scales, prefix_v.codes, prefix_v.scales,
                  self.prefix_lens, o_p, l_p)
