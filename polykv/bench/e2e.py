@@ -247,6 +247,23 @@ def _next_tokens(batch) -> tuple[dict[int, int], str]:
     return {aid: int(torch.argmax(l)) for aid, l in batch.step().items()}, "step+argmax"
 
 
+def greedy_steps(clock: "Clock", batch, warmup: int = 2, steps: int = 8) -> dict:
+    """Time `steps` greedy decode steps of an open batch whose agents are added (after `warmup`):
+    clock.steps' figures plus "toks", each step's {agent: token}. The probes' step loop."""
+    state = {"t": _next_tokens(batch)[0]}
+    toks = []
+
+    def step():
+        batch.feed(state["t"])
+        state["t"] = _next_tokens(batch)[0]
+        toks.append(dict(state["t"]))
+
+    r = clock.steps(step, warmup, steps)
+    r["toks"] = toks
+    r["step"] = step  # one more step (a profiler's)
+    return r
+
+
 # --- scenario a: N agents over one document -------------------------------------------------------
 def baseline_need_bytes(n: int, single: int, layers: int, gqa: int) -> int:
     """Device bytes the batched DynamicCache baseline needs beyond what is allocated: n dense copies

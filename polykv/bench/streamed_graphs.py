@@ -16,7 +16,7 @@ import os
 
 import torch
 
-from polykv.bench.e2e import Clock, _next_tokens, build_model, use_attention
+from polykv.bench.e2e import Clock, build_model, greedy_steps, use_attention
 from polykv.pool import SharedKVPool
 
 
@@ -37,16 +37,8 @@ def main() -> dict:
         with pool.open_batch(doc, capacity=n, seq_capacity=100, promote=False, graphs=graphs) as b:
             for s in sfx[:n]:
                 b.add(s)
-            state = {"t": _next_tokens(b)[0]}
-            toks = []
-
-            def step():
-                b.feed(state["t"])
-                state["t"] = _next_tokens(b)[0]
-                toks.append(dict(state["t"]))
-
-            r = clock.steps(step, 2, 8)
-            r["toks"] = toks
+            r = greedy_steps(clock, b)
+            step = r.pop("step")
             res[tag] = r
             print(tag, {k: round(v, 3) for k, v in r.items() if isinstance(v, float)}, flush=True)
             if prof:

@@ -18,7 +18,7 @@ import os
 
 import torch
 
-from polykv.bench.e2e import Clock, _next_tokens, use_attention
+from polykv.bench.e2e import Clock, greedy_steps, use_attention
 from polykv.pool import SharedKVPool
 from polykv.pool import agent_cache
 
@@ -95,16 +95,8 @@ def main(device: str = "cuda") -> dict:
         with pool.open_batch(doc, capacity=n, seq_capacity=100, graphs=graphs) as b:
             for s in sfx[:n]:
                 b.add(s)
-            state = {"t": _next_tokens(b)[0]}
-            toks = []
-
-            def step():
-                b.feed(state["t"])
-                state["t"] = _next_tokens(b)[0]
-                toks.append(dict(state["t"]))
-
-            r = clock.steps(step, 2, 8)
-            r["toks"] = toks
+            r = greedy_steps(clock, b)
+            r.pop("step")
             res[tag] = r
             print(tag, {k: round(v, 3) for k, v in r.items() if isinstance(v, float)}, flush=True)
 

@@ -117,14 +117,23 @@ def test_a_repeated_call_runs_its_call_plan_alone(launches, monkeypatch):
         dispatch.attention_decode(q2, kp, vp, kc, vc, window=16)
 
 
-def test_a_repeated_cascade_runs_its_call_plan(launches, monkeypatch):
-    """The cascade's planned call (warp-specialised prefix pass faked in: it reads the agents'
-    rows in place, no permuted copy), then the suffix pass and the combine, on this call's tensors."""
+@pytest.fixture
+def ws_launches(launches, monkeypatch):
+    """`launches`, the call plans emptied, and the warp-specialised prefix pass faked in (on CPU)."""
     from polykv.kernels import gluon_prefix, triton_cascade
 
     monkeypatch.setattr(td, "_CALLS", {})
     monkeypatch.setattr(gluon_prefix, "cached_launch", td.cached_launch)
     monkeypatch.setattr(triton_cascade, "ws_ok", lambda qp, kc, vc: True)
+    return launches
+
+
+def test_a_repeated_cascade_runs_its_call_plan(ws_launches, monkeypatch):
+    """The cascade's planned call (warp-specialised prefix pass faked in: it reads the agents'
+    rows in place, no permuted copy), then the suffix pass and the combine, on this call's tensors."""
+    from polykv.kernels import triton_cascade
+
+    launches = ws_launches
     g = torch.Generator().manual_seed(4)
     kc, vc = get_codec("q8_0", 128), get_codec("turbo3", 128)
     pk, pv = kc.encode(torch.randn(1, 2, 128, 128, generator=g)), vc.encode(torch.randn(1, 2, 128, 128, generator=g))
@@ -153,13 +162,9 @@ def test_a_repeated_cascade_runs_its_call_plan(launches, monkeypatch):
     assert len({p.untyped_storage().data_ptr() for p in parts}) == 1
 
 
-def test_a_cascade_tuned_with_nested_dicts_is_planned(launches, monkeypatch):
+def test_a_cascade_tuned_with_nested_dicts_is_planned(ws_launches):
     """prefix_tune={"ws": {...}} (dicts in the tuning) keys a call plan like any other tuning."""
-    from polykv.kernels import gluon_prefix, triton_cascade
-
-    monkeypatch.setattr(td, "_CALLS", {})
-    monkeypatch.setattr(gluon_prefix, "cached_launch", td.cached_launch)
-    monkeypatch.setattr(triton_cascade, "ws_ok", lambda qp, kc, vc: True)
+    launches = ws_launches
     g = torch.Generator().manual_seed(5)
     kc, vc = get_codec("q8_0", 128), get_codec("turbo3", 128)
     pk, pv = kc.encode(torch.randn(1, 2, 64, 128, generator=g)), vc.encode(torch.randn(1, 2, 64, 128, generator=g))

@@ -10,17 +10,14 @@ from polykv.kernels.triton_codec import phase_ok
 from polykv.kernels import (attention_decode, attention_decode_ref, cascade_attention,
                             cascade_attention_ref, dequantize, dequantize_ref, gather_pages,
                             merge_attention,
-                            merge_attention_ref, quantize_into, quantize_ref, triton_available,
-                            use_triton)
+                            merge_attention_ref, quantize_into, quantize_ref, triton_available)
 
 pytestmark = pytest.mark.skipif(not triton_available(), reason="triton not installed")
 
 
 @pytest.fixture(autouse=True)
-def _interpreter(monkeypatch):
-    monkeypatch.setenv("POLYKV_TRITON_ON_CPU", "1")
-    monkeypatch.delenv("POLYKV_FORCE_REFERENCE", raising=False)
-    assert use_triton(torch.zeros(1))
+def _interpreter(interpreter):
+    """Every test of this module through the interpreter (conftest.interpreter)."""
 
 
 def rel(a, b):

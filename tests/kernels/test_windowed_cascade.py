@@ -9,16 +9,14 @@ import torch
 
 from polykv.codecs import get_codec
 from polykv.kernels import (cascade_attention, cascade_attention_ref, gather_pages,
-                            triton_available, use_triton)
+                            triton_available)
 
 pytestmark = pytest.mark.skipif(not triton_available(), reason="triton not installed")
 
 
 @pytest.fixture(autouse=True)
-def _interpreter(monkeypatch):
-    monkeypatch.setenv("POLYKV_TRITON_ON_CPU", "1")
-    monkeypatch.delenv("POLYKV_FORCE_REFERENCE", raising=False)
-    assert use_triton(torch.zeros(1))
+def _interpreter(interpreter):
+    """Every test of this module through the interpreter (conftest.interpreter)."""
 
 
 def _close(out, lse, o2, l2):

@@ -53,3 +53,20 @@ def _one_thread():
 @pytest.fixture
 def tiny():
     return tiny_llama(), CharTok()
+
+
+def run_interpreted(script: str, timeout: int = 1200) -> dict:
+    """Run a Python script in a fresh process with the Triton kernels interpreted on CPU
+    (POLYKV_TRITON_ON_CPU=1, TRITON_INTERPRET=1 before triton is imported) from the repository
+    root; returns the JSON object its last line prints."""
+    import json
+    import os
+    import subprocess
+    import sys
+
+    env = dict(os.environ, POLYKV_TRITON_ON_CPU="1", TRITON_INTERPRET="1")
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    res = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True,
+                         timeout=timeout, cwd=root)
+    assert res.returncode == 0, res.stderr[-3000:]
+    return json.loads(res.stdout.strip().splitlines()[-1])

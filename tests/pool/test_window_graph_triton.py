@@ -3,12 +3,9 @@ Triton's kernels (interpreter, fresh process: POLYKV_TRITON_ON_CPU=1): the windo
 its sliding layers, and the static step gives the eager step's logits — what a CUDA graph of such a
 model replays, checked without a GPU (graphs_supported no longer refuses windows)."""
 
-import json
-import os
-import subprocess
-import sys
-
 import pytest
+
+from tests.pool.conftest import run_interpreted
 
 _SCRIPT = r"""
 import json
@@ -40,10 +37,6 @@ print(json.dumps({"diff": max(float((x - y).abs().max()) for x, y in zip(a, b)),
 
 @pytest.mark.slow
 def test_sliding_window_static_step_on_the_kernels_interpreted():
-    env = dict(os.environ, POLYKV_TRITON_ON_CPU="1", TRITON_INTERPRET="1")
-    res = subprocess.run([sys.executable, "-c", _SCRIPT], env=env, capture_output=True, text=True,
-                         timeout=1200, cwd=os.path.dirname(os.path.dirname(os.path.dirname(__file__))))
-    assert res.returncode == 0, res.stderr[-3000:]
-    out = json.loads(res.stdout.strip().splitlines()[-1])
+    out = run_interpreted(_SCRIPT)
     assert out["lens"] and out["eager_calls"] > 0 and out["static_calls"] > 0, out
     assert out["diff"] <= 5e-5, out  # the static step's usual distance from eager (llama: 1e-5)
