@@ -42,11 +42,18 @@ def test_static_step_equals_eager(tiny, k, v):
     assert torch.equal(a_lens, b_lens)
     for x, y in zip(a_logits, b_logits):
         torch.testing.assert_close(x, y, rtol=0, atol=1e-5)
-    # every live row equal (the scratch row and dead slots may differ)
+    # every live row equal (the scratch row and dead slots may differ). f16 rows are the projections
+    # themselves: the static step's GEMMs run at the bucket's row count, and CPU GEMM kernels (AVX-512
+    # oneDNN) may round the last bit differently per row count — one fp16 ulp; a quantized codec
+    # absorbs that and must match bit for bit
     S = (a_rows[0].shape[1] - 1) // a_lens.numel()
     for x, y in zip(a_rows, b_rows):
         for slot, n in enumerate(a_lens.tolist()):
-            assert torch.equal(x[:, slot * S: slot * S + n], y[:, slot * S: slot * S + n])
+            xs, ys = x[:, slot * S: slot * S + n], y[:, slot * S: slot * S + n]
+            if k == "f16" and xs.is_floating_point():
+                torch.testing.assert_close(xs, ys, rtol=1e-3, atol=2e-7)
+            else:
+                assert torch.equal(xs, ys)
 
 
 def test_static_step_pads_to_bucket_and_step_tokens(tiny):
