@@ -153,8 +153,9 @@ class AgentRings:
         dev = k.device
         enc_k = lay.codec.empty((G, lay.kv_heads, n_q), dev)
         enc_v = lay.codec.empty((G, lay.kv_heads, n_q), dev)
-        dispatch.quantize_into(enc_k, k, lay.codec, 0)
-        dispatch.quantize_into(enc_v, v, lay.codec, 0)
+        cols = torch.arange(n_q, device=dev).expand(G, n_q)  # device positions: no host copy (capture)
+        dispatch.quantize_into(enc_k, k, lay.codec, cols)
+        dispatch.quantize_into(enc_v, v, lay.codec, cols)
         L = lens.to(device=dev, dtype=torch.int64)
         pos = L[:, None] - n_q - R + 1 + torch.arange(R - 1 + n_q, device=dev)[None, :]  # [G, W]
         base = (slots.to(dev) * C)[:, None]
