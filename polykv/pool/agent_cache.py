@@ -70,6 +70,7 @@ class AgentCache(Cache):
         ceil(seq_capacity / PAGE_SIZE) pages; more are added on demand).
     device: where suffixes live and attention runs (default: the document layers' device; the pool
         passes its device, which host-tier layers are not on).
+    recent: R, each agent's recent window (`polykv.pool.ring`; 0: none, the path without windows)
     """
 
     def __init__(self, doc_layers: list[CompressedLayer], prefix_start: list[int], doc_len: int,
