@@ -3,10 +3,7 @@ the window segment (`attention_decode` with causal, window R and kv_start), the 
 suffix lengths L - R over the paged suffix, and the LSE merge, against test_ring.py's oracle within
 the kernels' fp16 tolerance — the GPU's code path, checked without a GPU."""
 
-import json
-import os
-import subprocess
-import sys
+from tests.pool.conftest import run_interpreted
 
 _SCRIPT = r"""
 import json
@@ -23,9 +20,4 @@ print(json.dumps({"ok": True, "triton": dispatch.use_triton(__import__("torch").
 
 
 def test_windows_through_triton_kernels_interpreted():
-    env = dict(os.environ, POLYKV_TRITON_ON_CPU="1", TRITON_INTERPRET="1")
-    res = subprocess.run([sys.executable, "-c", _SCRIPT], env=env, capture_output=True, text=True,
-                         timeout=1200, cwd=os.path.dirname(os.path.dirname(os.path.dirname(__file__))))
-    assert res.returncode == 0, res.stderr[-3000:]
-    out = json.loads(res.stdout.strip().splitlines()[-1])
-    assert out == {"ok": True, "triton": True}
+    assert run_interpreted(_SCRIPT) == {"ok": True, "triton": True}
