@@ -12,8 +12,10 @@ from polykv.pool.decode_graph import DecodeGraphs, bucket
 DOC = list(range(3, 50))
 
 
-def _run(model, tok, k, v, static: bool, feeds, sufs):
-    pool = SharedKVPool(model, tok, k=k, v=v, prefill_chunk=16)
+def _run(model, tok, k, v, static: bool, feeds, sufs, **pool_kw):
+    """Logits of every step, the storage rows and lengths after them: a batch of `sufs` fed `feeds`
+    (the first agent removed after two steps), eager or through the static step (checked to run)."""
+    pool = SharedKVPool(model, tok, k=k, v=v, prefill_chunk=16, **pool_kw)
     doc = pool.add_document(DOC)
     logits = []
     with pool.open_batch(doc, capacity=2, seq_capacity=4) as b:
@@ -25,7 +27,9 @@ def _run(model, tok, k, v, static: bool, feeds, sufs):
             b.feed({a: t for a, t in zip(aids, f) if a in b.agents()})
             logits.append(torch.stack([lg for _, lg in sorted(b.step().items())]))
             if i == 1:
-                b.remove(aids[0])  # slot compaction: the last agent moves into slot 0
+                b.remove(aids[0])  # slot compaction: the last agent (its window too) moves to slot 0
+        if static:
+            assert b._graphs.captures > 0  # the static step really ran
         rows = [t.clone() for t in b.cache.tensors()]
         lens = b.cache.lens.clone()
     return logits, rows, lens

@@ -12,27 +12,13 @@ import torch
 from polykv.pool import SharedKVPool, decode_graph
 from polykv.pool.decode_graph import DecodeGraphs, graphs_supported
 from tests.pool.conftest import CharTok, tiny_gemma
+from tests.pool.test_decode_graph import _run as run_batch
 
 DOC = list(range(3, 50))
 
 
 def _run(model, tok, static: bool, recent: int, feeds, sufs):
-    pool = SharedKVPool(model, tok, k="q8_0", v="turbo3", recent=recent, prefill_chunk=16)
-    doc = pool.add_document(DOC)
-    logits = []
-    with pool.open_batch(doc, capacity=2, seq_capacity=4) as b:
-        if static:
-            b._graphs = DecodeGraphs(model, b.cache, pool._pad_id, capture=False)
-        aids = [b.add(s) for s in sufs]
-        b.step()
-        for i, f in enumerate(feeds):
-            b.feed({a: t for a, t in zip(aids, f) if a in b.agents()})
-            logits.append(torch.stack([lg for _, lg in sorted(b.step().items())]))
-            if i == 1:
-                b.remove(aids[0])  # slot compaction: the last agent (and its window) moves to slot 0
-        if static:
-            assert b._graphs.captures > 0  # the static step really ran
-    return logits
+    return run_batch(model, tok, "q8_0", "turbo3", static, feeds, sufs, recent=recent)[0]
 
 
 @pytest.mark.parametrize("recent", [1, 3, 9])
