@@ -275,7 +275,7 @@ def _windowed_cascade(q, prefix_k, prefix_v, suffix_k, suffix_v, suffix_lens, kc
     placed after its suffix (`decode_parts` q_shift = the gap between prefix and suffix + its
     suffix length), so the window mask is the reference's; the suffix pass is the causal,
     windowed decode of each agent's suffix. Both read only the tiles a window reaches."""
-    dec = _k()[0]
+    dec, cas = _k()[:2]
     N, Hq, n_q, D = q.shape
     hkv, P = suffix_k.codes.shape[1], prefix_k.codes.shape[2]
     dev = q.device
@@ -283,7 +283,7 @@ def _windowed_cascade(q, prefix_k, prefix_v, suffix_k, suffix_v, suffix_lens, kc
     sm_scale = 1.0 / math.sqrt(D) if sm_scale is None else float(sm_scale)
     qp = _prep_q(q, kc, k_innerq, hkv)
     M = qp.shape[2]
-    lens = suffix_lens.to(device=dev, dtype=torch.int32).contiguous()
+    lens = cas.lens_i32(suffix_lens, dev)
     # the earliest query sits at pend - n_q (an empty suffix) or later: rows before its window
     # are never keys, so the pass reads the prefix from the aligned row below that window
     first = max(0, pend - n_q - window + 1 - prefix_start)
