@@ -292,6 +292,41 @@ def _decode_kernel(
 
 
 @triton.jit
+def _splits_max(L, row, NS, NS_P2: tl.constexpr, NS_CH: tl.constexpr, m):
+    """max(m, the LSE of `row`'s NS splits) — L float32 [rows * NS], read NS_P2 at a time."""
+    s = tl.arange(0, NS_P2)
+    for c in tl.static_range(0, NS_CH * NS_P2, NS_P2):
+        m = tl.maximum(m, tl.max(tl.load(L + row * NS + c + s, mask=c + s < NS,
+                                         other=float("-inf")), 0))
+    return m
+
+
+@triton.jit
+def _splits_weight(L, row, NS, NS_P2: tl.constexpr, NS_CH: tl.constexpr, m_safe):
+    """sum of exp(lse - m_safe) over `row`'s NS splits (0 for absent ones)."""
+    s = tl.arange(0, NS_P2)
+    tot = 0.0
+    for c in tl.static_range(0, NS_CH * NS_P2, NS_P2):
+        tot += tl.sum(tl.exp(tl.load(L + row * NS + c + s, mask=c + s < NS,
+                                     other=float("-inf")) - m_safe), 0)
+    return tot
+
+
+@triton.jit
+def _splits_sum(O, L, row, NS, NS_P2: tl.constexpr, NS_CH: tl.constexpr, m_safe, d,
+                D: tl.constexpr, acc):
+    """acc + the columns d of `row`'s NS split outputs (O float32 [rows * NS, D]), each weighted
+    by exp(lse - m_safe): [NS_P2, len(d)] tiles, NS_CH of them."""
+    s = tl.arange(0, NS_P2)
+    for c in tl.static_range(0, NS_CH * NS_P2, NS_P2):
+        mask = c + s < NS
+        w = tl.exp(tl.load(L + row * NS + c + s, mask=mask, other=float("-inf")) - m_safe)
+        o = tl.load(O + (row * NS + c + s)[:, None] * D + d[None, :], mask=mask[:, None], other=0.0)
+        acc += tl.sum(o * w[:, None], 0)
+    return acc
+
+
+@triton.jit
 def _combine_kernel(PO, PL, SO, SL, OUT, LSE, ROT, HKV, M, N_AGENTS, NSP, NSS,
                             D: tl.constexpr, NSP_P2: tl.constexpr, NSS_P2: tl.constexpr,
                             G: tl.constexpr, HAS_S: tl.constexpr, UNROT: tl.constexpr,
@@ -313,45 +348,22 @@ def _combine_kernel(PO, PL, SO, SL, OUT, LSE, ROT, HKV, M, N_AGENTS, NSP, NSS,
     n = r // (HKV * M)
     h = (r // M) % HKV
     pr = (h * N_AGENTS + n) * M + r % M
-    sp = tl.arange(0, NSP_P2)
-    ss = tl.arange(0, NSS_P2)
-    m = float("-inf")
-    for c in tl.static_range(0, NSP_CH * NSP_P2, NSP_P2):
-        m = tl.maximum(m, tl.max(tl.load(PL + pr * NSP + c + sp, mask=c + sp < NSP,
-                                         other=float("-inf")), 0))
+    m = _splits_max(PL, pr, NSP, NSP_P2, NSP_CH, float("-inf"))
     if HAS_S:
-        for c in tl.static_range(0, NSS_CH * NSS_P2, NSS_P2):
-            m = tl.maximum(m, tl.max(tl.load(SL + r * NSS + c + ss, mask=c + ss < NSS,
-                                             other=float("-inf")), 0))
+        m = _splits_max(SL, r, NSS, NSS_P2, NSS_CH, m)
     m_safe = tl.where(m == float("-inf"), 0.0, m)
-    tot = 0.0
-    for c in tl.static_range(0, NSP_CH * NSP_P2, NSP_P2):
-        tot += tl.sum(tl.exp(tl.load(PL + pr * NSP + c + sp, mask=c + sp < NSP,
-                                     other=float("-inf")) - m_safe), 0)  # 0 for absent splits
+    tot = _splits_weight(PL, pr, NSP, NSP_P2, NSP_CH, m_safe)  # absent splits weigh 0
     if HAS_S:
-        for c in tl.static_range(0, NSS_CH * NSS_P2, NSS_P2):
-            tot += tl.sum(tl.exp(tl.load(SL + r * NSS + c + ss, mask=c + ss < NSS,
-                                         other=float("-inf")) - m_safe), 0)
+        tot += _splits_weight(SL, r, NSS, NSS_P2, NSS_CH, m_safe)
     den = tl.where(tot > 0, tot, 1.0)
     gi = tl.arange(0, G)
     if UNROT:
         mt = tl.load(ROT + gi[None, :] * G + gi[:, None])  # mt[i, j] = M[j, i]
     for g in tl.static_range(D // G):
         d = g * G + gi
-        acc = tl.zeros([G], tl.float32)
-        for c in tl.static_range(0, NSP_CH * NSP_P2, NSP_P2):
-            pm = c + sp < NSP
-            w = tl.exp(tl.load(PL + pr * NSP + c + sp, mask=pm, other=float("-inf")) - m_safe)
-            o = tl.load(PO + (pr * NSP + c + sp)[:, None] * D + d[None, :], mask=pm[:, None],
-                        other=0.0)
-            acc += tl.sum(o * w[:, None], 0)
+        acc = _splits_sum(PO, PL, pr, NSP, NSP_P2, NSP_CH, m_safe, d, D, tl.zeros([G], tl.float32))
         if HAS_S:
-            for c in tl.static_range(0, NSS_CH * NSS_P2, NSS_P2):
-                sm = c + ss < NSS
-                w = tl.exp(tl.load(SL + r * NSS + c + ss, mask=sm, other=float("-inf")) - m_safe)
-                o = tl.load(SO + (r * NSS + c + ss)[:, None] * D + d[None, :], mask=sm[:, None],
-                            other=0.0)
-                acc += tl.sum(o * w[:, None], 0)
+            acc = _splits_sum(SO, SL, r, NSS, NSS_P2, NSS_CH, m_safe, d, D, acc)
         out = acc / den
         if UNROT:  # true space: y_g = o_g @ M^T, per rotation group
             out = tl.sum(out[:, None] * mt, 0)
