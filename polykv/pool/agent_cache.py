@@ -357,23 +357,18 @@ class AgentCache(Cache):
         P = self.pages.page_size
         common = dict(sm_scale=scaling, k_innerq=doc.key_scales, window=W, prefix_start=self.prefix_start[li],
                       prefix_end=self.doc_len, backend=self.backend)
-        if W is None:
-            paged = dict(suffix_pages=table, page_size=P, suffix_rows=g.seq)
-            if self.streamed:
-                out_m, lse_m = streamed_cascade_attention(query, self.streamer.chunks(doc), sk, sv, main,
-                                                          doc.k_codec, doc.v_codec, **common, **paged)
-            else:
-                out_m, lse_m = cascade_attention(query, doc.keys(), doc.values(), sk, sv, main, doc.k_codec,
-                                                 doc.v_codec, **common, **paged)
+        # full layers: one cascade over the suffix rows older than the window (lengths L - R);
+        # sliding layers: the prefix pass alone (suffix_rows=0 reads no suffix row, the real
+        # lengths place the queries), the older suffix rows below
+        seq_lens, rows = (main, g.seq) if W is None else (lens, 0)
+        paged = dict(suffix_pages=table, page_size=P, suffix_rows=rows)
+        if self.streamed:
+            out_m, lse_m = streamed_cascade_attention(query, self.streamer.chunks(doc), sk, sv, seq_lens,
+                                                      doc.k_codec, doc.v_codec, **common, **paged)
         else:
-            # the prefix pass alone: suffix_rows=0 reads no suffix row, the lengths place the queries
-            paged = dict(suffix_pages=table, page_size=P, suffix_rows=0)
-            if self.streamed:
-                out_m, lse_m = streamed_cascade_attention(query, self.streamer.chunks(doc), sk, sv, lens,
-                                                          doc.k_codec, doc.v_codec, **common, **paged)
-            else:
-                out_m, lse_m = cascade_attention(query, doc.keys(), doc.values(), sk, sv, lens, doc.k_codec,
-                                                 doc.v_codec, **common, **paged)
+            out_m, lse_m = cascade_attention(query, doc.keys(), doc.values(), sk, sv, seq_lens, doc.k_codec,
+                                             doc.v_codec, **common, **paged)
+        if W is not None:
             rows = max(1, int(g.seq))
             n_pages = -(-rows // P)
             dk, dv = (dispatch.gather_pages(p, table[:, :n_pages], P).index(
