@@ -41,13 +41,20 @@ class Preset:
     k: str
     v: str
     innerq: str | None  # None or "auto"
-    bits: float | None = None  # budget for a calibrated precision table (None: fixed types only)
+    bits: float | None = None  # budget for a calibrated precision table (None: fixed types only);
+    #                            with `ratio`, the most it may spend
     recent: int = 0  # R: the last R rows of every layer also held at q8_0 (polykv.cache.ring)
+    ratio: float | None = None  # held bytes f16 / this preset at GATE_CTX tokens that a calibrated
+    #                             table must meet, ring included (polykv.hf.precision.ratio_budget)
+
+
+GATE_CTX = 2048      # tokens at which issue K's byte gates are measured (2,047 rows stored)
+RATIO_MARGIN = 0.01  # a `ratio` preset aims at ratio x (1 + margin) (docstring, "Ratio")
 
 
 PRESETS: dict[str, Preset] = {p.name: p for p in (
     Preset("default", "q8_0", "turbo3", None, recent=8),
-    Preset("balanced", "turbo4", "turbo3", "auto", bits=4.25, recent=32),
+    Preset("balanced", "turbo4", "turbo3", "auto", bits=4.25, recent=64, ratio=3.5),
     Preset("max", "turbo3", "turbo2", "auto", bits=3.125, recent=8),
 )}
 
@@ -78,4 +85,4 @@ def resolve(preset: str | None, k: str | None, v: str | None, innerq=None) -> tu
     return (k or p.k, v or p.v, innerq if innerq is not None else p.innerq)
 
 
-__all__ = ["PRESETS", "Preset", "recent_for", "resolve"]
+__all__ = ["GATE_CTX", "PRESETS", "Preset", "RATIO_MARGIN", "recent_for", "resolve"]

@@ -73,8 +73,30 @@ def test_serve_resolves_the_preset(monkeypatch):
 @pytest.mark.parametrize("name,gate", [("balanced", 3.5), ("max", 5.0)])
 def test_preset_budget_under_the_byte_gate(name, gate):
     """A calibrated table is allocated at the preset's bits budget: 16 / budget must clear the gate
-    (the measured bytes of such a cache: tests/hf/test_precision.py::test_held_bytes_match_chosen_types)."""
-    assert PRESETS[name].bits is not None and 16 / PRESETS[name].bits >= gate
-    assert PRESETS["default"].bits is None
-    # with the ring's R q8_0 rows (8.5 bits) per 2,047 stored rows at 2k: still over the gate
-    assert 16 / (PRESETS[name].bits + PRESETS[name].recent * 8.5 / 2047) >= gate
+    (the measured bytes of such a cache: tests/hf/test_precision.py::test_held_bytes_match_chosen_types).
+    A preset with a ratio pays for its ring from the table per model (polykv.hf.precision.ratio_budget,
+    measured on held bytes in tests/hf/test_precision.py): its ratio is the gate's, bits only a cap."""
+    p = PRESETS[name]
+    assert p.bits is not None and 16 / p.bits >= gate
+    assert PRESETS["default"].bits is None and PRESETS["default"].ratio is None
+    if p.ratio is not None:
+        assert p.ratio >= gate
+    else:  # with the ring's R q8_0 rows (8.5 bits) per 2,047 stored rows at 2k: still over the gate
+        assert 16 / (p.bits + p.recent * 8.5 / 2047) >= gate
+
+
+def test_ratio_preset_on_the_gate_models_shapes():
+    """balanced's table budget on SmolLM2's and Gemma-3's shapes (configs only): SmolLM2 keeps the
+    cap (4.25), Gemma-3 (sliding layers of 511 rows) pays its ring: 16 / 3.535 - 0.709 = 3.817."""
+    from transformers import Gemma3TextConfig, LlamaConfig
+
+    from polykv.hf.kv_cache import model_layout
+    from polykv.hf.precision import ratio_budget
+
+    p = PRESETS["balanced"]
+    smol = model_layout(LlamaConfig(num_hidden_layers=30, num_attention_heads=9, num_key_value_heads=3,
+                                    hidden_size=576, head_dim=64))
+    gemma = model_layout(Gemma3TextConfig(num_hidden_layers=18, num_attention_heads=4, num_key_value_heads=1,
+                                          head_dim=256, hidden_size=640, sliding_window=512))
+    assert min(p.bits, ratio_budget(smol, p.ratio, p.recent)) == p.bits
+    assert ratio_budget(gemma, p.ratio, p.recent) < p.bits - 0.3

@@ -50,6 +50,14 @@ scales/norms, DESIGN §3) for the layer's head_dim; the average weighs each laye
 holds at `ctx` tokens (kv_heads x head_dim x rows; a sliding layer holds at most window - 1 rows),
 i.e. it is the bits/value `KVCache.memory_report()` measures on a ctx-token window.
 
+A preset that states a ratio (`Preset.ratio`, balanced) pays for its recent ring from the table, per
+model (`preset_policy`, `ratio_budget`): the budget is 16 / (ratio x (1 + RATIO_MARGIN)) minus the
+ring's bits/value at the gate length (2,048 tokens; `ring_bits`: R q8_0 rows per layer, a sliding layer
+min(R, window - 1), over the rows every layer holds), at most `Preset.bits`. One ring costs models
+differently: R = 64 adds 0.266 bits/value on SmolLM2 (2,047 rows a layer) and 0.709 on Gemma-3 (15 of
+its 18 layers hold 511 rows), so one fixed budget cannot meet one byte gate on both (docs/quality.md,
+"Balanced with a ring paid by its table (session 12)").
+
 File (JSON, `precision_path(model)` = the InnerQ table's path with suffix ".precision.json"):
 {format "polykv-precision", version 1, model (innerq_key), metric, tokens, prefix, text, innerq,
  ctx, k_types, v_types, layers: [{layer, weight, bits: {type: bits}, k_error: {type: err},
@@ -482,15 +490,55 @@ def load_precision(model, path=None) -> PrecisionTable | None:
     return table
 
 
-def preset_policy(model, preset_name: str, precision="auto") -> tuple[dict | None, dict]:
+def ring_bits(layout, recent: int, ctx: int = CTX) -> float:
+    """Bits per stored codec value that a recent ring adds at ctx tokens: every layer holds
+    min(R, rows) rows of K and of V at the ring's type (q8_0, its real stored bits at the layer's
+    head_dim) beside its rows (ctx - 1; a sliding layer window - 1: `layer_weights`), so ring bytes
+    x 8 / codec values — the share `KVCache.memory_report()["bits_per_value"]` measures on top of
+    the table's average. SmolLM2 R = 64: 64 x 8.5 / 2,047 = 0.266; Gemma-3 (15 of 18 layers hold 511
+    rows) 0.709."""
+    from ..cache.ring import RING_TYPE
+
+    if recent <= 0:
+        return 0.0
+    q8 = layer_bits(layout, (RING_TYPE,))
+    weight = layer_weights(layout, ctx)
+    num = 0.0
+    for lay, w, b in zip(layout, weight, q8):
+        rows = w / (lay.num_kv_heads * lay.head_dim)
+        num += w * min(recent, rows) / rows * b[RING_TYPE]
+    return num / sum(weight)
+
+
+def ratio_budget(layout, ratio: float, recent: int, ctx: int = CTX, margin: float | None = None) -> float:
+    """The table's bits/value budget for held bytes >= ratio x (1 + margin) fewer than f16 at ctx
+    tokens with a ring of R rows: 16 / (ratio x (1 + margin)) - ring_bits. Bytes follow from the
+    codecs' real stored bits (what the held tensors measure: tests/hf/test_precision.py)."""
+    from ..presets import RATIO_MARGIN
+
+    if ratio <= 0:
+        raise ValueError(f"ratio must be > 0, got {ratio}")
+    m = RATIO_MARGIN if margin is None else float(margin)
+    return 16.0 / (float(ratio) * (1.0 + m)) - ring_bits(layout, int(recent), ctx)
+
+
+def preset_policy(model, preset_name: str, precision="auto", recent: int | None = None
+                  ) -> tuple[dict | None, dict]:
     """(overrides or None, info) for a preset: the calibrated table's allocation at the preset's
-    budget when the preset has one (`Preset.bits`) and a table exists, else None (the preset's fixed
-    types). precision: "auto" (precision_path), None (fixed types), a path or a PrecisionTable.
-    info: {"source": "calibrated"|"fixed", ...} — what KVCache reports as `precision`."""
-    from ..presets import PRESETS
+    budget when the preset has one and a table exists, else None (the preset's fixed types).
+    precision: "auto" (precision_path), None (fixed types), a path or a PrecisionTable.
+    info: {"source": "calibrated"|"fixed", ...} — what KVCache reports as `precision`.
+
+    The budget: `Preset.bits` for a preset without a ratio (the ring's rows come on top). A preset
+    with `Preset.ratio` pays for its ring from the table, per model: budget = `ratio_budget` at the
+    gate length (presets.GATE_CTX) for the model's layout and ring R (recent; None: the preset's R),
+    at most `Preset.bits`; info records it as bits_target, with the ring's cost ("ring": rows,
+    bits/value, ctx) and the expected ratio (16 / (bits_achieved + ring bits)). A budget under the
+    table's cheapest types allocates those, and info's ratio_expected says what is held."""
+    from ..presets import GATE_CTX, PRESETS, RATIO_MARGIN
 
     p = PRESETS[preset_name]
-    if p.bits is None:
+    if p.bits is None and p.ratio is None:
         return None, {"source": "fixed", "reason": f"preset {preset_name!r} has no bits budget"}
     if precision is None:
         return None, {"source": "fixed", "reason": "precision=None"}
@@ -501,22 +549,40 @@ def preset_policy(model, preset_name: str, precision="auto") -> tuple[dict | Non
     if table is None:
         return None, {"source": "fixed", "reason": f"no calibrated table at {precision_path(model)} "
                       "(polykv calibrate --bits B)"}
-    pol = table.allocate(p.bits)
-    info = {"source": "calibrated", "path": table.path, "bits_target": pol.bits_target,
+    extra: dict = {}
+    budget = p.bits
+    if p.ratio is not None:
+        from .kv_cache import model_layout
+
+        layout = model_layout(model)
+        R = p.recent if recent is None else int(recent)
+        ring = ring_bits(layout, R, GATE_CTX)
+        budget = ratio_budget(layout, p.ratio, R, GATE_CTX)
+        if p.bits is not None:
+            budget = min(budget, p.bits)
+        budget = max(budget, table.min_bits())
+        extra = {"ratio_target": p.ratio, "ratio_margin": RATIO_MARGIN, "bits_cap": p.bits,
+                 "ring": {"rows": R, "bits": round(ring, 4), "ctx": GATE_CTX}}
+    pol = table.allocate(budget)
+    info = {"source": "calibrated", "path": table.path, "bits_target": round(pol.bits_target, 4),
             "bits_achieved": round(pol.bits_achieved, 4), "types": [list(t) for t in pol.types]}
+    if extra:
+        info.update(extra)
+        info["ratio_expected"] = round(16.0 / (pol.bits_achieved + ring), 4)
     return pol.overrides(), info
 
 
-def preset_precision(model, preset: str | None, fixed_by: str | None, precision="auto"
-                     ) -> tuple[dict | None, dict | None]:
+def preset_precision(model, preset: str | None, fixed_by: str | None, precision="auto",
+                     recent: int | None = None) -> tuple[dict | None, dict | None]:
     """What a cache, pool or eval command built with `preset=` stores: (None, None) without a preset;
     the preset's fixed pair when the caller fixed types by hand (`fixed_by` says how, e.g.
-    "explicit k= / v=": info {"source": "fixed", "reason": fixed_by}); else `preset_policy`."""
+    "explicit k= / v=": info {"source": "fixed", "reason": fixed_by}); else `preset_policy` (recent:
+    the cache's ring R when it is not the preset's; None: the preset's)."""
     if preset is None:
         return None, None
     if fixed_by:
         return None, {"source": "fixed", "reason": fixed_by}
-    return preset_policy(model, str(preset), precision)
+    return preset_policy(model, str(preset), precision, recent)
 
 
 def policy_summary(policy: Policy) -> dict:
@@ -532,4 +598,4 @@ def policy_summary(policy: Policy) -> dict:
 
 __all__ = ["COPY_PROMPTS", "COPY_WEIGHT", "COPY_SEED", "CTX", "K_TYPES", "PREFIX_TOKENS", "SCORED_TOKENS", "V_TYPES", "Policy", "PrecisionTable",
            "calibration_ids", "combine_errors", "copy_examples", "layer_bits", "layer_weights", "load_precision", "measure_sensitivity",
-           "policy_summary", "precision_path", "preset_policy", "preset_precision"]
+           "policy_summary", "precision_path", "preset_policy", "preset_precision", "ratio_budget", "ring_bits"]

@@ -11,7 +11,7 @@ import polykv
 from polykv.codecs import get_codec
 from polykv.hf.precision import (K_TYPES, V_TYPES, PrecisionTable, layer_bits, layer_weights,
                                  load_precision, measure_sensitivity, precision_path, preset_policy)
-from polykv.presets import PRESETS
+from polykv.presets import GATE_CTX, PRESETS, RATIO_MARGIN
 
 
 def _model(layers=5, head_dim=64, kv_heads=2):
@@ -113,6 +113,16 @@ def _model_table(model) -> PrecisionTable:
     return t
 
 
+def _budget(name, rows=2047):
+    """The table budget a preset takes on a model whose layers all hold `rows` rows of head_dim 64 at
+    2k (q8_0 ring rows: 8.5 bits): Preset.bits, or for a ratio preset 16 / (ratio x 1.01) minus the
+    ring's R x 8.5 / rows, at most Preset.bits."""
+    p = PRESETS[name]
+    if p.ratio is None:
+        return p.bits
+    return min(p.bits, 16 / (p.ratio * (1 + RATIO_MARGIN)) - min(p.recent, rows) * 8.5 / rows)
+
+
 def test_preset_loads_the_table(cache_dir):
     model = _model()
     c = polykv.KVCache(model, preset="balanced")
@@ -120,11 +130,11 @@ def test_preset_loads_the_table(cache_dir):
     table = _model_table(model)
     table.save(precision_path(model))
     for name in ("balanced", "max"):
-        want = table.allocate(PRESETS[name].bits).types
+        want = table.allocate(_budget(name)).types
         assert len(set(want)) > 1  # a real mix, not one pair everywhere
         c = polykv.KVCache(model, preset=name)
         assert c.precision["source"] == "calibrated"
-        assert c.precision["bits_target"] == PRESETS[name].bits
+        assert c.precision["bits_target"] == round(_budget(name), 4)
         assert [(lay.k_type, lay.v_type) for lay in c.layers] == list(want)
         for kw in (dict(precision=None), dict(k="turbo4"), dict(v="turbo4")):
             c = polykv.KVCache(model, preset=name, **kw)
@@ -163,7 +173,7 @@ def test_held_bytes_match_chosen_types(cache_dir, name):
             caches[key].compact()
     c = caches[name]
     assert c.precision["source"] == "calibrated"
-    types = table.allocate(PRESETS[name].bits).types
+    types = table.allocate(_budget(name)).types
     R, rings, values = PRESETS[name].recent, 0, 0
     assert R > 0
     for lay, (k, v) in zip(c.layers, types):
@@ -178,6 +188,115 @@ def test_held_bytes_match_chosen_types(cache_dir, name):
     assert abs(report["bits_per_value"] - table.average_bits(types) - rings * 8 / values) < 1e-9
     gate = {"balanced": 3.5, "max": 5.0}[name]
     assert caches["f16"].nbytes() / c.nbytes() >= gate
+
+
+# --- a ratio preset pays for its ring from the table, per model (docs/quality.md, session 12) ------
+
+def _gemma(window=256, head_dim=64):
+    """A random Gemma-3 (two sliding layers of `window`, one full): ring rows weigh more there."""
+    from transformers import Gemma3ForCausalLM, Gemma3TextConfig
+
+    torch.manual_seed(0)
+    cfg = Gemma3TextConfig(vocab_size=128, hidden_size=64, intermediate_size=96, num_hidden_layers=3,
+                           num_attention_heads=2, num_key_value_heads=1, head_dim=head_dim,
+                           sliding_window=window, max_position_embeddings=4096,
+                           layer_types=["sliding_attention", "sliding_attention", "full_attention"])
+    return Gemma3ForCausalLM(cfg).eval()
+
+
+def test_ring_bits_of_the_gate_models():
+    """The ring's share at 2k from the two models' shapes (no weights): SmolLM2 R x 8.5 / 2,047,
+    Gemma-3 18 x R rows over 15 x 511 + 3 x 2,047 (docs/quality.md: 0.266 / 0.709 at R = 64)."""
+    from transformers import Gemma3TextConfig, LlamaConfig
+
+    from polykv.hf.kv_cache import model_layout
+    from polykv.hf.precision import ratio_budget, ring_bits
+
+    smol = model_layout(LlamaConfig(num_hidden_layers=30, num_attention_heads=9, num_key_value_heads=3,
+                                    hidden_size=576, head_dim=64))
+    gemma = model_layout(Gemma3TextConfig(num_hidden_layers=18, num_attention_heads=4, num_key_value_heads=1,
+                                          head_dim=256, hidden_size=640, sliding_window=512))
+    for R in (8, 32, 64):
+        assert ring_bits(smol, R) == pytest.approx(R * 8.5 / 2047, rel=1e-12)
+        assert ring_bits(gemma, R) == pytest.approx(18 * R * 8.5 / (15 * 511 + 3 * 2047), rel=1e-12)
+    assert ring_bits(smol, 0) == 0.0
+    assert ring_bits(gemma, 600) == pytest.approx((15 * 511 + 3 * 600) * 8.5 / (15 * 511 + 3 * 2047))
+    assert ratio_budget(gemma, 3.5, 64) == pytest.approx(16 / (3.5 * 1.01) - 0.70926, abs=1e-5)
+
+
+@pytest.mark.parametrize("kind,ratio,R", [("llama", 3.5, 64), ("llama", 5.0, 32), ("gemma", 3.5, 64),
+                                          ("gemma", 3.5, 100), ("gemma", 4.0, 32)])
+def test_ratio_budget_meets_the_ratio_on_held_bytes(cache_dir, monkeypatch, kind, ratio, R):
+    """A preset defined by its ratio (no bits cap): after a 2,047-token prompt the held bytes, measured
+    from the tensors, are >= ratio fewer than f16's, ring included — on a model whose sliding layers
+    make the ring weigh more too — and they are the ratio info announced."""
+    import dataclasses
+
+    from polykv.presets import PRESETS as presets
+
+    model = _model(layers=4, head_dim=64) if kind == "llama" else _gemma()
+    monkeypatch.setitem(presets, "balanced", dataclasses.replace(presets["balanced"], bits=None, ratio=ratio,
+                                                                 recent=R))
+    table = _model_table(model)
+    table.save(precision_path(model))
+    ids = torch.randint(3, 120, (1, GATE_CTX - 1))
+    caches = {}
+    with torch.no_grad():
+        for key, kw in (("f16", dict(k="f16", v="f16")), ("p", dict(preset="balanced"))):
+            caches[key] = polykv.KVCache(model, **kw)
+            model(ids, past_key_values=caches[key], use_cache=True)
+            caches[key].compact()
+    c, info = caches["p"], caches["p"].precision
+    assert info["source"] == "calibrated" and info["ratio_target"] == ratio and info["bits_cap"] is None
+    assert info["ring"]["rows"] == R and c.recent == R
+    held = caches["f16"].nbytes() / c.nbytes()
+    assert held >= ratio, (kind, ratio, R, held, info)
+    assert held == pytest.approx(info["ratio_expected"], rel=1e-4)
+    # the ring's measured share is what the budget paid for
+    ring = sum(lay.ring.nbytes() for lay in c.layers)
+    values = sum(2 * lay.layout.num_kv_heads * lay.layout.head_dim * lay.store.length for lay in c.layers)
+    assert info["ring"]["bits"] == pytest.approx(ring * 8 / values, abs=1e-4)
+    # the budget is the whole ratio less the ring's measured share: no more (the ratio holds), no less
+    assert info["bits_target"] == pytest.approx(16 / (ratio * (1 + RATIO_MARGIN)) - ring * 8 / values, abs=1e-4)
+    assert info["bits_target"] > table.min_bits()
+    if kind == "gemma":  # the ring costs this model more than a full-length one: the table pays
+        assert info["bits_target"] < 16 / (ratio * (1 + RATIO_MARGIN)) - R * 8.5 / 2047 - 0.05
+
+
+def test_ratio_preset_info_and_what_it_leaves_alone(cache_dir):
+    """balanced reports the ring-adjusted budget (capped at its bits); an explicit ring R moves it;
+    a bits-only preset (max), explicit k= / v=, precision=None and overrides are unaffected."""
+    from polykv.hf.precision import preset_policy
+
+    model = _model(layers=6, head_dim=64)
+    table = _model_table(model)
+    table.save(precision_path(model))
+    p = PRESETS["balanced"]
+    assert p.ratio is not None and p.bits is not None and p.recent > 0
+    info = polykv.KVCache(model, preset="balanced").precision
+    ring = p.recent * 8.5 / 2047
+    assert info["ring"] == {"rows": p.recent, "bits": round(ring, 4), "ctx": GATE_CTX}
+    assert info["bits_target"] == round(min(p.bits, 16 / (p.ratio * (1 + RATIO_MARGIN)) - ring), 4)
+    assert info["ratio_expected"] == pytest.approx(16 / (info["bits_achieved"] + ring), abs=2e-4)
+    assert info["ratio_expected"] >= p.ratio
+    # a ring that costs more than the cap leaves: the table pays for it
+    _, big = preset_policy(model, "balanced", table, recent=400)
+    assert big["ring"]["rows"] == 400
+    assert big["bits_target"] == round(16 / (p.ratio * (1 + RATIO_MARGIN)) - 400 * 8.5 / 2047, 4)
+    assert big["bits_target"] < p.bits and big["ratio_expected"] >= p.ratio
+    _, none = preset_policy(model, "balanced", table, recent=0)
+    assert none["bits_target"] == p.bits and none["ring"]["bits"] == 0.0
+    # a bits-only preset: its budget, no ring accounting
+    m = polykv.KVCache(model, preset="max").precision
+    assert PRESETS["max"].ratio is None
+    assert m["bits_target"] == PRESETS["max"].bits and "ring" not in m and "ratio_target" not in m
+    assert [tuple(t) for t in m["types"]] == list(table.allocate(PRESETS["max"].bits).types)
+    # explicit types, no table, overrides: as before
+    for kw in (dict(k="turbo4"), dict(v="q8_0"), dict(precision=None)):
+        assert polykv.KVCache(model, preset="balanced", **kw).precision["source"] == "fixed"
+    c = polykv.KVCache(model, preset="balanced", overrides={2: ("q8_0", "q8_0")})
+    assert (c.layers[2].k_type, c.layers[2].v_type) == ("q8_0", "q8_0")
+    assert c.precision["bits_target"] == info["bits_target"]
 
 
 def test_measure_sensitivity_tiny_model():

@@ -32,9 +32,11 @@ def _logits(pool, prompts=PROMPTS, feeds=((30, 31, 32, 33), (34, 35, 36, 37), (3
 
 
 def test_where_r_comes_from(tiny):
+    from polykv.presets import PRESETS
+
     model, tok = tiny
     assert SharedKVPool(model, tok).recent == 8  # the default preset's R
-    assert SharedKVPool(model, tok, preset="balanced").recent == 32
+    assert SharedKVPool(model, tok, preset="balanced").recent == PRESETS["balanced"].recent == 64
     assert SharedKVPool(model, tok, k="q8_0", v="turbo3").recent == 0  # explicit types: none
     assert SharedKVPool(model, tok, k="q8_0", v="turbo3", recent=5).recent == 5
     assert SharedKVPool(model, tok, preset="max", recent=0).recent == 0
