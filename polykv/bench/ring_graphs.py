@@ -1,12 +1,12 @@
 """Probe (GPU): the pool's recent windows (issue K, `SharedKVPool(recent=R)`) in captured decode steps —
-the check `graphs_supported` waits for before it captures batches with a window. Random-initialised
+the check that let `graphs_supported` capture batches with windows (session 12). Random-initialised
 Llama-3-8B-shape model, 4 layers, bf16, a 32k-token document, K q8_0 / V turbo3, R = 8, 32 agents:
 eager vs captured logits over 5 steps fed the same tokens (`window_step.eager_vs_graph`: argmax
 flips with their top-2 margins), then the step time of both (median of 8 steps after 2 warm-ups).
 
     PYTHONPATH=. POLYKV_CACHE_DIR=.pkvcache python3 polykv/bench/ring_graphs.py
 
-POLYKV_RING_GRAPHS=1 is set here (it lets batches with windows capture). Writes $OUT/ring_graphs.json.
+Writes $OUT/ring_graphs.json.
 """
 
 from __future__ import annotations
@@ -23,7 +23,6 @@ from polykv.pool import SharedKVPool
 
 def main(device: str = "cuda", layers: int = 4, doc_tokens: int = 32768, agents: int = 32,
          recent: int = 8, tiny: bool = False) -> dict:
-    os.environ["POLYKV_RING_GRAPHS"] = "1"
     dev = torch.device(device)
     model = build_model(layers, dev, torch.bfloat16 if dev.type == "cuda" else torch.float32, tiny=tiny)
     use_attention(model, "polykv")

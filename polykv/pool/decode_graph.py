@@ -55,18 +55,14 @@ from .agent_cache import AgentCache, Group, dummy_mask
 
 def graphs_supported(cache: AgentCache) -> bool:
     """Captured decode needs CUDA and the Triton kernels (not the forced reference); sliding-window
-    layers are captured too (the kernels' windowed cascade, `dispatch.cascade_attention`).
-    POLYKV_CUDA_GRAPHS=0 turns capture off (eager steps, for debugging). Agents with recent
-    windows (`cache.rings`, polykv.pool.ring) run eagerly: the window's per-step work is written
-    device-only and its static step is tested on CPU (tests/pool/test_ring_static.py), but no CUDA
-    capture of it has been verified yet (docs/pool.md, "Recent windows"); POLYKV_RING_GRAPHS=1
-    captures them anyway."""
+    layers and recent windows (`cache.rings`, polykv.pool.ring) are captured too (the kernels'
+    windowed cascade; the windows' per-step work reads device tensors only — checked captured on
+    the H200: tests/pool/test_ring_static.py, docs/pool.md "Recent windows").
+    POLYKV_CUDA_GRAPHS=0 turns capture off (eager steps, for debugging)."""
     import os
 
     from ..kernels import dispatch
 
-    if getattr(cache, "rings", None) is not None and os.environ.get("POLYKV_RING_GRAPHS", "0") != "1":
-        return False
     return (os.environ.get("POLYKV_CUDA_GRAPHS", "1") != "0" and cache.device.type == "cuda"
             and cache.backend == "auto" and dispatch.use_triton(cache.store[0].k.codes))
 

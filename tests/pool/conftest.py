@@ -19,23 +19,23 @@ class CharTok:
         return {chr(i): i for i in range(128)}
 
 
-def tiny_llama(seed=0, layers=2):
+def tiny_llama(seed=0, layers=2, head_dim=32):
     from transformers import LlamaConfig, LlamaForCausalLM
 
     torch.manual_seed(seed)
     cfg = LlamaConfig(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=layers,
-                      num_attention_heads=4, num_key_value_heads=2, head_dim=32,
+                      num_attention_heads=4, num_key_value_heads=2, head_dim=head_dim,
                       max_position_embeddings=1024, eos_token_id=1, pad_token_id=0, bos_token_id=2)
     return LlamaForCausalLM(cfg).eval()
 
 
-def tiny_gemma(heads: int = 2, kv_heads: int = 1, seed: int = 0):
+def tiny_gemma(heads: int = 2, kv_heads: int = 1, seed: int = 0, head_dim: int = 32):
     """3-layer random Gemma-3 (sliding window 8 on layers 0-1, full attention on layer 2)."""
     from transformers import Gemma3ForCausalLM, Gemma3TextConfig
 
     torch.manual_seed(seed)
     cfg = Gemma3TextConfig(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=3,
-                           num_attention_heads=heads, num_key_value_heads=kv_heads, head_dim=32,
+                           num_attention_heads=heads, num_key_value_heads=kv_heads, head_dim=head_dim,
                            sliding_window=8,
                            layer_types=["sliding_attention", "sliding_attention", "full_attention"],
                            max_position_embeddings=512, pad_token_id=0, eos_token_id=1, bos_token_id=2)

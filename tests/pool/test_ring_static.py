@@ -1,7 +1,8 @@
 """The static decode step (decode_graph.py, what a CUDA graph would capture) with recent windows, run
 eagerly on CPU: the windows' per-step work reads only device tensors (lengths, write rows), so the
 static step must give the eager step's logits — decode, verify columns, bucket padding, removal,
-storage growth, a parked batch. On CUDA such batches are not captured yet (graphs_supported)."""
+storage growth, a parked batch. On CUDA such batches capture their steps: the GPU test at the end
+compares captured with eager steps there."""
 
 import functools
 from types import SimpleNamespace
@@ -11,7 +12,7 @@ import torch
 
 from polykv.pool import SharedKVPool, decode_graph
 from polykv.pool.decode_graph import DecodeGraphs, graphs_supported
-from tests.pool.conftest import CharTok, tiny_gemma
+from tests.pool.conftest import CharTok, tiny_gemma, tiny_llama
 from tests.pool.test_decode_graph import _run as run_batch
 
 DOC = list(range(3, 50))
@@ -87,16 +88,60 @@ def test_generate_static_equals_eager(static_graphs, spec):
         assert pool.last_generate["graph_captures"] > 0 or i == 1  # the static steps ran
 
 
-def test_cuda_graphs_refused_for_windows(monkeypatch):
-    """A batch with windows is not captured on CUDA (eager steps) unless POLYKV_RING_GRAPHS=1."""
+def test_cuda_graphs_capture_windows(monkeypatch):
+    """graphs_supported: a CUDA batch on the kernels captures with or without windows;
+    POLYKV_CUDA_GRAPHS=0 and the forced reference do not."""
     from polykv.kernels import dispatch
 
     monkeypatch.setattr(dispatch, "use_triton", lambda *t: True)
     cache = SimpleNamespace(device=torch.device("cuda"), windows=[None], backend="auto",
                             store=[SimpleNamespace(k=SimpleNamespace(codes=None))], rings=object())
-    assert not graphs_supported(cache)
-    monkeypatch.setenv("POLYKV_RING_GRAPHS", "1")
     assert graphs_supported(cache)
-    monkeypatch.delenv("POLYKV_RING_GRAPHS")
     cache.rings = None
     assert graphs_supported(cache)
+    monkeypatch.setenv("POLYKV_CUDA_GRAPHS", "0")
+    assert not graphs_supported(cache)
+    monkeypatch.delenv("POLYKV_CUDA_GRAPHS")
+    monkeypatch.setattr(dispatch, "use_triton", lambda *t: False)
+    assert not graphs_supported(cache)
+
+
+def _cuda_steps(model, graphs: bool, monkeypatch, recent: int = 4) -> tuple[list, int, list]:
+    """Logits of 8 decode steps of 4 agents (one removed after two steps) on CUDA, eager or
+    captured, with the captures made and a greedy `generate` (pipelined, then speculative)."""
+    monkeypatch.setenv("POLYKV_CUDA_GRAPHS", "1" if graphs else "0")
+    pool = SharedKVPool(model, CharTok(), k="q8_0", v="turbo3", recent=recent, prefill_chunk=32,
+                        progress=False)
+    doc = pool.add_document(DOC * 3)
+    logits = []
+    with pool.open_batch(doc, capacity=4, seq_capacity=4) as b:
+        aids = [b.add(s) for s in ([5, 6, 7], [8, 9], [10, 11, 12, 13], [14])]
+        b.step()
+        for i in range(8):
+            b.feed({a: 20 + 4 * i + j for j, a in enumerate(aids) if a in b.agents()})
+            logits.append(torch.stack([lg.float().cpu() for _, lg in sorted(b.step().items())]))
+            if i == 1:
+                b.remove(aids[0])
+        captures = b.graph_captures
+    prompts = [[5, 6, 7], [8], [9, 10, 11, 12], [13, 14]]
+    answers = [pool.generate(doc, prompts, max_new_tokens=16, speculative=spec)
+               for spec in (None, SPEC)]
+    return logits, captures, answers
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("make", [tiny_llama, tiny_gemma])
+def test_windows_captured_on_cuda(monkeypatch, make):
+    """On the GPU, batches with recent windows (and Gemma's sliding layers) capture their steps, and
+    the replays give the eager steps' logits: same kernels, same shapes but the bucket's padding
+    (float32 model; the kernels' fp16 arithmetic bounds the difference) and the same greedy answers,
+    plain and speculative."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs CUDA")
+    model = make(head_dim=64).cuda()  # the GPU kernels' smallest paged row tile needs >= 64
+    want, none, want_answers = _cuda_steps(model, False, monkeypatch)
+    got, captures, answers = _cuda_steps(model, True, monkeypatch)
+    assert none == 0 and captures > 0
+    for x, y in zip(want, got):
+        torch.testing.assert_close(y, x, rtol=0, atol=2e-3)
+    assert answers == want_answers
