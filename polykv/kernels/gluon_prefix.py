@@ -12,7 +12,9 @@ in different warps of one CTA, connected by mbarriers over a ring of NBUF shared
 * consumers (a worker partition of BLOCK_M // 16 warps: one warp group per 64 query rows):
   S = q K^T and O += P V on the tensor cores (wgmma, B operands from shared memory), the online
   softmax in registers (q pre-scaled, so scores come out in log2 units), S of tile i + 1 issued
-  before P V of tile i (FA3's intra-warp-group overlap), then the stage is released.
+  before P V of tile i (FA3's intra-warp-group overlap), then the stage is released. With 128-row
+  tiles the two consumer warp groups are two partitions that take turns issuing their wgmmas
+  (FA3's ping-pong, `turns` barriers): one group's softmax runs under the other's products.
 
 Every query row of a KV head sits in one CTA (all agents x GQA heads, up to 128 rows), so each
 compressed tile is decoded once per step for all of them — the tile kernel decoded it once per
@@ -39,9 +41,11 @@ from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared
 from .launch import launch as cached_launch
 
 
-# registers per consumer thread (setmaxnreg); the producer warp group gets the rest of the CTA's
-# maxnreg share
-CONSUMER_REGS = 200
+# registers per consumer thread (setmaxnreg) for 128- / 64-row tiles; the producer warp group gets
+# the rest of the CTA's maxnreg share (H200, kernels_notes v16: 200 / 152 spilled the producer once
+# its addressing kept per-tile offsets in registers; 192 / 144 do not, and the consumers' loop
+# is the same 301 instructions at 144)
+CONSUMER_REGS = {128: 192, 64: 144}
 
 
 @functools.lru_cache(maxsize=None)
@@ -78,14 +82,17 @@ def _k_addr(KW, KS, kbase, ksbase, n0, end, sks, skss, BLOCK_N: gl.constexpr, D:
     KW, kbase, sks in words."""
     L: gl.constexpr = gl.BlockedLayout([1, 1, 4], [4, 4, 2], [4, 1, 1], [2, 1, 0])
     NB: gl.constexpr = D // 32
-    r = n0 + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, gl.SliceLayout(2, L)))
-    r3 = gl.expand_dims(gl.expand_dims(r, 1), 2)  # [BN, 1, 1]
+    r = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, gl.SliceLayout(2, L)))
+    r3 = gl.expand_dims(gl.expand_dims(r, 1), 2)  # [BN, 1, 1] rows within the tile
     blk = gl.arange(0, NB, layout=gl.SliceLayout(0, gl.SliceLayout(2, L)))
     b3 = gl.expand_dims(gl.expand_dims(blk, 0), 2)  # [1, NB, 1]
     c = gl.arange(0, 8, layout=gl.SliceLayout(0, gl.SliceLayout(1, L)))
     c3 = gl.expand_dims(gl.expand_dims(c, 0), 1)  # [1, 1, 8]
-    return (KW + kbase + r3.to(gl.int64) * sks + b3 * 8 + c3,
-            KS + ksbase + r3.to(gl.int64) * skss + b3, r3 < end)
+    # the tile's first row as one scalar offset, the rest int32 offsets that do not depend on the
+    # tile (computed once, outside the loop): no 64-bit multiply per element per tile
+    row0 = n0.to(gl.int64)
+    return (KW + (kbase + row0 * sks) + (r3 * sks + b3 * 8 + c3),
+            KS + (ksbase + row0 * skss) + (r3 * skss + b3), r3 < end - n0)
 
 
 @gluon.jit
@@ -114,10 +121,11 @@ def _v_addr(VW, VS, vbase, vsbase, n0, end, svs, svss, BLOCK_N: gl.constexpr, D:
     VW, vbase, svs in words."""
     W: gl.constexpr = D // 32
     L: gl.constexpr = gl.BlockedLayout([1, 1], [8, 4], [4, 1], [1, 0])
-    r = n0 + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, L))
+    r = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, L))
     w = gl.arange(0, W, layout=gl.SliceLayout(0, L))
-    codes = VW + vbase + gl.expand_dims(r.to(gl.int64) * svs, 1) + gl.expand_dims(w, 0)
-    return codes, VS + vsbase + r.to(gl.int64) * svss, r < end
+    row0 = n0.to(gl.int64)  # as _k_addr: one scalar per tile, tile-independent int32 offsets
+    codes = VW + (vbase + row0 * svs) + (gl.expand_dims(r * svs, 1) + gl.expand_dims(w, 0))
+    return codes, VS + (vsbase + row0 * svss) + r * svss, r < end - n0
 
 
 @gluon.jit
@@ -222,10 +230,14 @@ def _softmax_step(s, m_i, l_i, cols, n0, end, valid, row_o: gl.constexpr, p_layo
 
 
 @gluon.jit
-def _consumer(O_PART, L_PART, q_smem, k_bufs, v_bufs, ready, empty, q_row0, n_rows, start, end,
-              N_SPLITS, split, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
+def _consumer(O_PART, L_PART, q_smem, k_bufs, v_bufs, ready, empty, turns, q_row0, n_rows, start,
+              end, N_SPLITS, split, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
               D: gl.constexpr, NBUF: gl.constexpr, NW: gl.constexpr, PIPE: gl.constexpr,
-              EVEN: gl.constexpr):
+              EVEN: gl.constexpr, WG: gl.constexpr):
+    """The consumer warps of the query rows [q_row0, q_row0 + BLOCK_M). WG: -1 — every consumer
+    warp group in this partition; 0 / 1 — one of two partitions of one warp group each, which
+    take turns issuing their wgmmas (FA3's ping-pong: the `turns` barriers), so one group's
+    softmax runs while the other's matrix multiplies hold the tensor cores."""
     s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[NW, 1],
                                                        instr_shape=[16, BLOCK_N, 16])
     o_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[NW, 1],
@@ -255,8 +267,12 @@ def _consumer(O_PART, L_PART, q_smem, k_bufs, v_bufs, ready, empty, q_row0, n_ro
             mbarrier.wait(ready.index(j % NBUF), (j // NBUF) & 1)
             kb = k_bufs.index(j % NBUF)
             vb = v_bufs.index(i % NBUF)
+            if WG >= 0:  # my turn: the other group issued its pair last (first turn: group 0)
+                mbarrier.wait(turns.index(WG), (i & 1) ^ (1 - WG))
             s = warpgroup_mma(q_smem, kb.permute((1, 0)), s_zero, use_acc=False, is_async=True)
             acc = warpgroup_mma(p, vb, acc * gl.expand_dims(alpha, 1), is_async=True)
+            if WG >= 0:
+                mbarrier.arrive(turns.index(1 - WG), count=1)
             s, _ = warpgroup_mma_wait(num_outstanding=1, deps=(s, kb))  # in order: S done
             p, alpha, m_i, l_i = _softmax_step(s, m_i, l_i, cols, start + j * BLOCK_N, end,
                                                i + 1 < n_tiles, row_o, p_layout, EVEN)
@@ -306,7 +322,7 @@ def _ws_prefix_kernel(Q, KC, KS, VC, VS, KV_LENS, O_PART, L_PART,
                       VA0: gl.constexpr, VA1: gl.constexpr, VA2: gl.constexpr, VA3: gl.constexpr,
                       VA4: gl.constexpr, VA5: gl.constexpr, VA6: gl.constexpr, VA7: gl.constexpr,
                       CREG: gl.constexpr, PREFETCH: gl.constexpr, PIPE: gl.constexpr,
-                      EVEN: gl.constexpr):
+                      EVEN: gl.constexpr, PING: gl.constexpr):
     """Grid (Hkv, splits of this chunk, row tiles). Q [N, Hkv, M_AGENT, D] (any float dtype, K's
     domain; element strides sqn, sqh, sqm, last dim contiguous): KV head h's rows of all agents
     are its M_TOTAL = N * M_AGENT query rows, row n * M_AGENT + m; KC/KS q8_0 codes / scales and VC/VS turbo3 codes / norms of one chunk
@@ -341,9 +357,12 @@ def _ws_prefix_kernel(Q, KC, KS, VC, VS, KV_LENS, O_PART, L_PART,
                                                             element_bitwidth=16, rank=2))
     ready = gl.allocate_shared_memory(gl.int64, [NBUF, 1], mbarrier.MBarrierLayout())
     empty = gl.allocate_shared_memory(gl.int64, [NBUF, 1], mbarrier.MBarrierLayout())
+    turns = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
     for i in gl.static_range(NBUF):
         mbarrier.init(ready.index(i), count=1)
-        mbarrier.init(empty.index(i), count=1)
+        mbarrier.init(empty.index(i), count=2 if PING else 1)  # PING: each group releases
+    for i in gl.static_range(2):
+        mbarrier.init(turns.index(i), count=1)
     fence_async_shared()
     gl.thread_barrier()  # q and the barriers, written by every warp, before any partition reads them
 
@@ -357,14 +376,28 @@ def _ws_prefix_kernel(Q, KC, KS, VC, VS, KV_LENS, O_PART, L_PART,
     # the producer is the default partition (the kernel's num_warps = one warp group), the
     # consumers a worker partition of BLOCK_M // 16 warps: Triton 3.6 gives called functions a
     # warp count only inside worker partitions, and the consumers' row reductions need one
-    gl.warp_specialize([
-        (_producer, (KW, KS, VW, VS, k_bufs, v_bufs, ready, empty, kbase, ksbase, vbase, vsbase,
-                     start, end, sks, skss, svs, svss, BLOCK_N, D, NBUF, KA,
-                     VA0, VA1, VA2, VA3, VA4, VA5, VA6, VA7, PREFETCH, EVEN)),
-        (_consumer, (O_PART, L_PART, q_smem, k_bufs, v_bufs, ready, empty, q_row0,
-                     M_TOTAL - gl.program_id(2) * BLOCK_M, start, end, N_SPLITS, SPLIT0 + pid_s,
-                     BLOCK_M, BLOCK_N, D, NBUF, BLOCK_M // 16, PIPE, EVEN)),
-    ], [BLOCK_M // 16], [CREG])
+    n_rows = M_TOTAL - gl.program_id(2) * BLOCK_M
+    # (the producer's entry is written out in both lists: a Gluon kernel cannot hold a function,
+    # or a tuple holding constexprs, in a variable)
+    if PING:  # two consumer partitions of 64 rows taking turns on the tensor cores
+        gl.warp_specialize([(_producer, (
+            KW, KS, VW, VS, k_bufs, v_bufs, ready, empty, kbase, ksbase, vbase, vsbase, start, end,
+            sks, skss, svs, svss, BLOCK_N, D, NBUF, KA, VA0, VA1, VA2, VA3, VA4, VA5, VA6, VA7,
+            PREFETCH, EVEN)), (_consumer, (
+            O_PART, L_PART, q_smem.slice(0, 64), k_bufs, v_bufs, ready, empty, turns, q_row0,
+            n_rows, start, end, N_SPLITS, SPLIT0 + pid_s, 64, BLOCK_N, D, NBUF, 4, PIPE, EVEN, 0)),
+            (_consumer, (
+            O_PART, L_PART, q_smem.slice(64, 64), k_bufs, v_bufs, ready, empty, turns,
+            q_row0 + 64, n_rows - 64, start, end, N_SPLITS, SPLIT0 + pid_s, 64, BLOCK_N, D, NBUF,
+            4, PIPE, EVEN, 1))], [4, 4], [CREG, CREG])
+    else:
+        gl.warp_specialize([(_producer, (
+            KW, KS, VW, VS, k_bufs, v_bufs, ready, empty, kbase, ksbase, vbase, vsbase, start, end,
+            sks, skss, svs, svss, BLOCK_N, D, NBUF, KA, VA0, VA1, VA2, VA3, VA4, VA5, VA6, VA7,
+            PREFETCH, EVEN)), (_consumer, (
+            O_PART, L_PART, q_smem, k_bufs, v_bufs, ready, empty, turns, q_row0, n_rows, start,
+            end, N_SPLITS, SPLIT0 + pid_s, BLOCK_M, BLOCK_N, D, NBUF, BLOCK_M // 16, PIPE, EVEN,
+            -1))], [BLOCK_M // 16], [CREG])
 
 
 def ws_ok(qp: torch.Tensor, k_codec, v_codec) -> bool:
@@ -395,7 +428,7 @@ def ws_prefix(qp: torch.Tensor, chunks, total_rows: int, k_codec, v_codec, *,
 def ws_prefix_parts(qp: torch.Tensor, chunks, total_rows: int, k_codec, v_codec, *, sm_scale: float,
                     max_split: int = 0, block_m: int = 0, block_n: int = 64, stages: int = 3,
                     consumer_regs: int = 0, maxnreg: int = 0, prefetch: bool = True,
-                    pipe: bool = True, target_programs: int | None = None,
+                    pipe: bool = True, ping: bool = True, target_programs: int | None = None,
                     rec: list | None = None):
     """The cascade prefix pass on the warp-specialised kernel (check `ws_ok` first).
     qp [N, Hkv, M, D] in K's domain (N agents' query rows; any float dtype and strides, last dim
@@ -407,7 +440,7 @@ def ws_prefix_parts(qp: torch.Tensor, chunks, total_rows: int, k_codec, v_codec,
     rows [1, Hkv, M], V's storage domain). The rest tunes the launch (0 /
     None: the H200 defaults, docs/kernels_notes.md v11): row tile (64 up to 64 rows, else 128),
     key tile, stages, registers per consumer thread / per thread of the CTA, the producer's
-    register prefetch, the consumers' S / PV overlap, programs. rec: the pass's plan (`WsPlan`;
+    register prefetch, the consumers' S / PV overlap, their ping-pong (128-row tiles), programs. rec: the pass's plan (`WsPlan`;
     None for a chunked prefix, or where launches are not planned) is appended to it."""
     from .triton_codec import asm_strings, cdiv
     from .triton_decode import SplitParts, _strides, num_programs_target, plan_split_len
@@ -421,7 +454,7 @@ def ws_prefix_parts(qp: torch.Tensor, chunks, total_rows: int, k_codec, v_codec,
     # (up to 16 agents) — 8 warps at 128 registers, two CTAs per SM (100 vs 126 us at 8 agents)
     two = block_m == 64
     maxnreg = maxnreg or (128 if two else 168)
-    consumer_regs = consumer_regs or (152 if two else CONSUMER_REGS)
+    consumer_regs = consumer_regs or CONSUMER_REGS.get(block_m, CONSUMER_REGS[128])
     target = target_programs or num_programs_target(dev) // (2 if two else 4)
     split_len = plan_split_len(total_rows, Hkv * n_mt, target, block_n, max_split)
     n_splits = max(1, cdiv(total_rows, split_len))
@@ -450,7 +483,7 @@ def ws_prefix_parts(qp: torch.Tensor, chunks, total_rows: int, k_codec, v_codec,
             D=D, BLOCK_M=block_m, BLOCK_N=block_n, NBUF=stages, KA=ka,
             VA0=va[0], VA1=va[1], VA2=va[2], VA3=va[3], VA4=va[4], VA5=va[5], VA6=va[6],
             VA7=va[7], CREG=consumer_regs, PREFETCH=bool(prefetch), PIPE=pipe,
-            EVEN=rows % block_n == 0, num_warps=4,
+            EVEN=rows % block_n == 0, PING=bool(ping) and block_m == 128, num_warps=4,
             maxnreg=maxnreg, plan=8 if plan else 0)
     if rec is not None:  # one launch (an unchunked prefix) is a plan of the whole pass
         rec.append(WsPlan(planned, o_part.numel(), l_part.numel(), n_splits)

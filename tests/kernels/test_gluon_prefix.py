@@ -24,10 +24,11 @@ from polykv.kernels.triton_codec import ASM_Q8, asm_strings
 
 BIN = Path(triton.__file__).parent / "backends" / "nvidia" / "bin"
 
-VARIANTS = [  # (block_m, even, maxnreg, consumer_regs)
-    (128, True, 168, 200),   # 32-64 agents: the default
-    (128, False, 168, 200),  # a prefix length not a multiple of the key tile
-    (64, True, 128, 152),    # up to 16 agents: two CTAs per SM
+VARIANTS = [  # (block_m, even, maxnreg, consumer_regs, ping): gluon_prefix's defaults
+    (128, True, 168, gp.CONSUMER_REGS[128], True),   # 32-64 agents: two consumer groups in turns
+    (128, False, 168, gp.CONSUMER_REGS[128], True),  # a prefix length not a multiple of the key tile
+    (128, True, 168, gp.CONSUMER_REGS[128], False),  # one consumer partition (ping=False)
+    (64, True, 128, gp.CONSUMER_REGS[64], False),    # up to 16 agents: two CTAs per SM
 ]
 
 # Run in a fresh interpreter: the tests' process runs Triton in interpreter mode
@@ -45,13 +46,13 @@ BIN = sys.argv[1]
 va = [gp.unpacked(a) for a in asm_strings(get_codec("turbo3", 128))]
 names = gp._ws_prefix_kernel.arg_names
 out = []
-for block_m, even, maxnreg, consumer_regs in json.loads(sys.argv[2]):
+for block_m, even, maxnreg, consumer_regs, ping in json.loads(sys.argv[2]):
     sig = dict(Q="*fp16", KC="*i8", KS="*fp16", VC="*u8", VS="*fp16", KV_LENS="*i32",
                O_PART="*fp32", L_PART="*fp32", qk_scale="fp32")
     for n in "skh sks sksh skss svh svs svsh svss sqn sqh sqm M_AGENT M_TOTAL SPLIT_LEN N_SPLITS SPLIT0".split():
         sig[n] = "i32"
     consts = dict(D=128, BLOCK_M=block_m, BLOCK_N=64, NBUF=3, KA=gp.unpacked(ASM_Q8),
-                  CREG=consumer_regs, PREFETCH=True, PIPE=True, EVEN=even,
+                  CREG=consumer_regs, PREFETCH=True, PIPE=True, EVEN=even, PING=ping,
                   **{f"VA{i}": va[i] for i in range(8)})
     sig.update({k: "constexpr" for k in consts})
     attrs = {(names.index(n),): [["tt.divisibility", 16]] for n in names
@@ -67,7 +68,7 @@ for block_m, even, maxnreg, consumer_regs in json.loads(sys.argv[2]):
                               text=True, check=True).stdout
     out.append(dict(hgmma="HGMMA" in sass, mbarriers="SYNCS.ARRIVE" in sass and
                     "SYNCS.PHASECHK" in sass,
-                    consumer_regs=bool(re.search(
+                    consumer_partitions=len(re.findall(
                         rf"USETMAXREG\.TRY_ALLOC\.CTAPOOL UP0, 0x{consumer_regs:x}(?![0-9a-f])", sass)),
                     spills=len(re.findall(r"\b(?:LDL|STL)\b", sass))))
 print(json.dumps(out))
@@ -90,7 +91,8 @@ def test_kernel_builds_for_sm90_without_spills(builds, i):
     b = builds[i]
     assert b["hgmma"]  # the dots are wgmma (tensor cores, operands from shared memory)
     assert b["mbarriers"]  # producer / consumer hand-offs through mbarriers
-    assert b["consumer_regs"]  # the consumer partition got its register budget (setmaxnreg)
+    # the consumer partition(s) got their register budget (setmaxnreg): two taking turns with ping
+    assert b["consumer_partitions"] == (2 if VARIANTS[i][4] else 1)
     assert b["spills"] == 0, "register spills"
 
 
