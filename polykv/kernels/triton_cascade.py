@@ -14,6 +14,8 @@ fp32 rotation GEMM and a cast: five launches per layer and call). `_merge_kernel
 
 from __future__ import annotations
 
+import contextlib
+
 from typing import NamedTuple
 
 import torch
@@ -168,6 +170,8 @@ class CascadePasses(NamedTuple):
         # specialised on it)
         sizes = tuple(-(-n // 16) * 16 for n in (prefix.o_numel, prefix.l_numel, *(
             (suffix.o_numel, suffix.l_numel) if suffix is not None else ())))
+        if prefix_lens.is_cuda:
+            side_stream(prefix_lens.device)  # made now, not inside a capture
         return cls(prefix, suffix, combine, shape, out_dtype, prefix_lens, sizes)
 
     def __call__(self, qp: torch.Tensor, prefix_k: Packed, prefix_v: Packed, suffix_k: Packed,
@@ -182,17 +186,40 @@ class CascadePasses(NamedTuple):
         sizes = self.part_sizes
         parts = torch.empty(sum(sizes), dtype=torch.float32, device=dev).split_with_sizes(sizes)
         o_p, l_p = parts[0], parts[1]
+        # captured into a CUDA graph, the suffix pass is a branch beside the prefix pass (neither
+        # reads the other's output): its small programs run on the SMs the prefix pass leaves
+        # free instead of after it (H200: kernels_notes v16). Eager calls stay on one stream — a
+        # fork and a join cost host time, and an eager call is host-bound anyway.
+        fork = s is not None and dev.type == "cuda" and torch.cuda.is_current_stream_capturing()
+        if fork:
+            main, side = torch.cuda.current_stream(dev), side_stream(dev)
+            side.wait_stream(main)
         w.launch(qp, prefix_k.codes, prefix_k.scales, prefix_v.codes, prefix_v.scales,
                  self.prefix_lens, o_p, l_p)
         o_s, l_s = o_p, l_p  # never read without a suffix pass
         if s is not None:
-            o_s, l_s, _ = s(qp, suffix_k, suffix_v, lens_i32(suffix_lens, dev),
-                            page_table=suffix_pages, parts=parts[2:])
+            with torch.cuda.stream(side) if fork else contextlib.nullcontext():
+                o_s, l_s, _ = s(qp, suffix_k, suffix_v, lens_i32(suffix_lens, dev),
+                                page_table=suffix_pages, parts=parts[2:])
+            if fork:
+                main.wait_stream(side)
         out_shape = out_shape or self.shape
         out = torch.empty(out_shape, dtype=self.out_dtype or torch.float32, device=dev)
         lse = torch.empty(out_shape[:-1], dtype=torch.float32, device=dev)
         self.combine(o_p, l_p, o_s, l_s, out, lse)
         return out, lse
+
+
+_SIDE: dict = {}
+
+
+def side_stream(dev: torch.device) -> "torch.cuda.Stream":
+    """One side stream per CUDA device for captured branches (created once, outside any capture:
+    `CascadePasses.of` asks for it when the plan is made)."""
+    st = _SIDE.get(dev)
+    if st is None:
+        st = _SIDE[dev] = torch.cuda.Stream(dev)
+    return st
 
 
 def lens_i32(lens: torch.Tensor, dev: torch.device) -> torch.Tensor:

@@ -93,3 +93,45 @@ def test_cascade_plans_equal_tritons_launch(N, paged, kname):
         assert err < 1e-2, err
     if kname == "q8_0" and torch.cuda.get_device_capability() == (9, 0):
         assert len(td._CALLS) > before  # the whole call was planned
+
+
+@pytest.mark.parametrize("N,paged", [(32, False), (8, True)])
+def test_captured_cascade_runs_its_suffix_pass_as_a_branch(monkeypatch, N, paged):
+    """Captured in a CUDA graph, the planned cascade forks its suffix pass onto a side stream (a
+    branch beside the prefix pass) and joins it before the combine: the replay gives the eager
+    call's bits, and again with new query rows and lengths copied into the captured inputs."""
+    from polykv.kernels import triton_cascade
+
+    forks = []
+    side = triton_cascade.side_stream
+    monkeypatch.setattr(triton_cascade, "side_stream", lambda dev: forks.append(dev) or side(dev))
+    g = torch.Generator(device="cuda").manual_seed(11 + N)
+    kc, vc = get_codec("q8_0", 128), get_codec("turbo3", 128)
+    pk, pv = kc.encode(_rnd(g, 1, 8, 4096, 128)), vc.encode(_rnd(g, 1, 8, 4096, 128))
+    P = 64
+    rows = 4 * N * P if paged else 4 * P
+    sk, sv = kc.encode(_rnd(g, 1 if paged else N, 8, rows, 128)), vc.encode(_rnd(g, 1 if paged else N, 8, rows, 128))
+    pages = torch.randperm(4 * N, device="cuda", generator=g).to(torch.int32).view(N, 4) if paged else None
+    lens = torch.randint(1, 4 * P, (N,), device="cuda", generator=g, dtype=torch.int32)
+    q = _rnd(g, N, 32, 1, 128)
+
+    def call():
+        return cascade_attention(q, pk, pv, sk, sv, lens, kc, vc, suffix_pages=pages,
+                                 page_size=P if paged else 0)
+
+    st = torch.cuda.Stream()
+    st.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(st):
+        call(), call()  # planned
+    torch.cuda.current_stream().wait_stream(st)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out, lse = call()
+    assert forks  # the captured call forked
+    for _ in range(2):
+        graph.replay()
+        want, want_lse = call()
+        torch.cuda.synchronize()
+        assert torch.equal(out, want) and torch.equal(lse, want_lse)
+        q.copy_(_rnd(g, N, 32, 1, 128))
+        lens.copy_(torch.randint(1, 4 * P, (N,), device="cuda", generator=g, dtype=torch.int32))
