@@ -19,7 +19,7 @@ active and returns the new rows; `attend(module, query, ...)` returns [B, q_len,
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 from transformers.cache_utils import Cache
@@ -57,6 +57,9 @@ class Group:
     seq: int  # suffix rows the torch path reads per agent (>= every length)
     slots: torch.Tensor | None = None  # int64 [G] (host)
     new: torch.Tensor | None = None  # int64 [G] lengths after this forward (host)
+    # device tensors the recent windows derive from the fields above, made by the first layer that
+    # needs them and shared by the rest of this forward (polykv.pool.ring: fewer kernels per layer)
+    memo: dict = field(default_factory=dict)
 
 
 class AgentCache(Cache):
@@ -305,11 +308,14 @@ class AgentCache(Cache):
         if g.rows.numel():
             self.store[layer_idx].write(key_states, value_states, g.rows)
             if self.rings is not None:
-                sel = g.sel
-                slots = (torch.arange(sel.start, sel.stop, device=self.device) if isinstance(sel, slice)
-                         else sel)
+                m = g.memo
+                if "slots" not in m:
+                    sel = g.sel
+                    m["slots"] = (torch.arange(sel.start, sel.stop, device=self.device)
+                                  if isinstance(sel, slice) else sel)
+                    m["real"] = g.rows != self.scratch_row()
                 self._segments[layer_idx] = self.rings.write(
-                    layer_idx, key_states, value_states, slots, g.lens, g.rows != self.scratch_row())
+                    layer_idx, key_states, value_states, m["slots"], g.lens, m["real"], memo=m)
         return key_states, value_states
 
     def attend(self, module, query, key, value, attention_mask, scaling=None, **kwargs):
@@ -351,9 +357,11 @@ class AgentCache(Cache):
         out_r, lse_r = dispatch.attention_decode(query, seg_k, seg_v, ring.codec, ring.codec, causal=True,
                                                  sm_scale=scaling, window=R, kv_start=seg_start)
         sk, sv = self.store[li].pool()
-        lens = g.lens.to(device=query.device, dtype=torch.int32)
-        main = (lens - R).clamp_min(0)
-        table = self.pages.device_table()[g.sel]
+        key = ("main", R)
+        if key not in g.memo:
+            lens = g.lens.to(device=query.device, dtype=torch.int32)
+            g.memo[key] = (lens, (lens - R).clamp_min(0), self.pages.device_table()[g.sel])
+        lens, main, table = g.memo[key]
         P = self.pages.page_size
         common = dict(sm_scale=scaling, k_innerq=doc.key_scales, window=W, prefix_start=self.prefix_start[li],
                       prefix_end=self.doc_len, backend=self.backend)

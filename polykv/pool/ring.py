@@ -139,28 +139,32 @@ class AgentRings:
             lay.copy_slot(src, dst)
 
     def write(self, li: int, k: torch.Tensor, v: torch.Tensor, slots: torch.Tensor,
-              lens: torch.Tensor, real: torch.Tensor):
+              lens: torch.Tensor, real: torch.Tensor, memo: dict | None = None):
         """One forward's rows of layer li: k, v [G, Hkv, n_q, D] (true space, left-padded), slots
         int64 [G], lens int [G] (lengths after the forward), real bool [G, n_q] (column written).
         Stores the newest min(C, real columns) rows and returns the forward's window segment:
         (k, v) Packed leading [G, Hkv, R - 1 + n_q] (row i = position L - n_q - R + 1 + i, q8_0)
-        and kv_start int32 [G] (rows at negative positions are not keys)."""
+        and kv_start int32 [G] (rows at negative positions are not keys). memo: a dict shared by
+        the layers of one forward (the same slots, lens and real): the ring rows, positions and
+        masks, which depend on those and on (R, C) only, are computed by the first layer."""
         from ..kernels import dispatch
 
         lay = self.layers[li]
         G, _, n_q, _ = k.shape
         R, C = lay.recent, lay.capacity
         dev = k.device
+        key = (n_q, R, C, lay.scratch_row)
+        idx = None if memo is None else memo.get(key)
+        if idx is None:
+            idx = self._indices(slots, lens, real, n_q, R, C, lay.scratch_row, dev)
+            if memo is not None:
+                memo[key] = idx
+        cols, gather_rows, col, rows, kv_start = idx
         enc_k = lay.codec.empty((G, lay.kv_heads, n_q), dev)
         enc_v = lay.codec.empty((G, lay.kv_heads, n_q), dev)
-        cols = torch.arange(n_q, device=dev).expand(G, n_q)  # device positions: no host copy (capture)
         dispatch.quantize_into(enc_k, k, lay.codec, cols)
         dispatch.quantize_into(enc_v, v, lay.codec, cols)
-        L = lens.to(device=dev, dtype=torch.int64)
-        pos = L[:, None] - n_q - R + 1 + torch.arange(R - 1 + n_q, device=dev)[None, :]  # [G, W]
-        base = (slots.to(dev) * C)[:, None]
-        old_k, old_v = lay.gather(base + pos % C)  # before this forward's writes
-        col = real.to(dev)[:, None, :, None]  # [G, 1, n_q, 1]
+        old_k, old_v = lay.gather(gather_rows)  # before this forward's writes
 
         def seg(old: Packed, enc: Packed) -> Packed:
             def one(o, e):
@@ -171,12 +175,27 @@ class AgentRings:
             return Packed(one(old.codes, enc.codes), one(old.scales, enc.scales))
 
         seg_k, seg_v = seg(old_k, enc_k), seg(old_v, enc_v)
+        lay.scatter(rows, enc_k, enc_v)
+        return seg_k, seg_v, kv_start
+
+    @staticmethod
+    def _indices(slots: torch.Tensor, lens: torch.Tensor, real: torch.Tensor, n_q: int, R: int,
+                 C: int, scratch_row: int, dev) -> tuple:
+        """What `write` derives from the forward's slots, lengths and real columns for rings of R
+        recent rows in C: (cols int64 [G, n_q] the quantize columns, the window segment's ring rows
+        int64 [G, R - 1 + n_q], its real-column mask bool [G, 1, n_q, 1], the rows to store int64
+        [G, n_q] (scratch where not kept), kv_start int32 [G]). Device ops only (captured steps)."""
+        G = real.shape[0]
+        cols = torch.arange(n_q, device=dev).expand(G, n_q)  # device positions: no host copy (capture)
+        L = lens.to(device=dev, dtype=torch.int64)
+        pos = L[:, None] - n_q - R + 1 + torch.arange(R - 1 + n_q, device=dev)[None, :]  # [G, W]
+        base = (slots.to(dev) * C)[:, None]
+        col = real.to(dev)[:, None, :, None]  # [G, 1, n_q, 1]
         new_pos = pos[:, R - 1:]  # [G, n_q]: column j's position
         keep = real.to(dev) & (new_pos >= L[:, None] - C)  # the newest C rows only (no slot twice)
-        rows = torch.where(keep, base + new_pos % C, torch.full_like(new_pos, lay.scratch_row))
-        lay.scatter(rows, enc_k, enc_v)
+        rows = torch.where(keep, base + new_pos % C, torch.full_like(new_pos, scratch_row))
         kv_start = (R - 1 + n_q - L).clamp(0, R - 1 + n_q).to(torch.int32)  # -(first position)
-        return seg_k, seg_v, kv_start
+        return cols, base + pos % C, col, rows, kv_start
 
     def refill(self, li: int, slot: int, positions: list[int], k: torch.Tensor, v: torch.Tensor) -> None:
         """Write true-space rows k, v [Hkv, T, D] at `positions` of `slot` (a rollback deeper than

@@ -67,7 +67,9 @@ def test_q8_window_over_q8_codec_changes_nothing(model_tok):
     for R in (1, 3, 12):
         got = _logits(SharedKVPool(model, tok, k="q8_0", v="q8_0", recent=R, prefill_chunk=16))
         for x, y in zip(base, got):
-            torch.testing.assert_close(y, x, rtol=1e-5, atol=1e-5)
+            # the same rows, attended in two segments merged by LSE instead of one: float32
+            # rounding only (up to 3e-5 on AVX-512 CPUs); a misaligned segment moves logits ~1e-2
+            torch.testing.assert_close(y, x, rtol=1e-4, atol=1e-4)
 
 
 def test_window_is_read(tiny):
@@ -76,6 +78,24 @@ def test_window_is_read(tiny):
     base = _logits(SharedKVPool(model, tok, k="q8_0", v="turbo3", prefill_chunk=16))
     ring = _logits(SharedKVPool(model, tok, k="q8_0", v="turbo3", recent=4, prefill_chunk=16))
     assert all((x - y).abs().max() > 1e-4 for x, y in zip(base, ring))
+
+
+def test_window_indices_are_made_once_per_forward(tiny, monkeypatch):
+    """The ring rows, positions and masks depend on the forward's slots and lengths and on (R, C)
+    only: the first layer makes them (`AgentRings._indices`), the other layers reuse them — one
+    set per forward, not one per layer (a captured step's kernels)."""
+    from polykv.pool.agent_cache import AgentCache
+    from polykv.pool.ring import AgentRings
+
+    model, tok = tiny
+    made, begun = [], []
+    real, begin = AgentRings._indices, AgentCache.begin
+    monkeypatch.setattr(AgentRings, "_indices", staticmethod(lambda *a: made.append(a[3]) or real(*a)))
+    monkeypatch.setattr(AgentCache, "begin", lambda self, *a: begun.append(a) or begin(self, *a))
+    pool = SharedKVPool(model, tok, k="q8_0", v="turbo3", recent=3, prefill_chunk=16)
+    assert model.config.num_hidden_layers > 1
+    _logits(pool)
+    assert len(begun) >= 4 and len(made) == len(begun)  # every forward: once, not once per layer
 
 
 def test_one_forward_equals_token_by_token(model_tok):
