@@ -1,33 +1,42 @@
 """Named KV configurations (DESIGN §5): `preset=` on `KVCache` and `SharedKVPool`; `k=` / `v=` override.
 
-| preset | K | V | InnerQ | bits/value (head_dim 64 / 128) | bytes vs f16 | recent R |
-|---|---|---|---|---|---|---|
-| default | q8_0 | turbo3 | — | 5.875 / 5.8125 | 2.7x | 8 |
-| balanced | turbo4 | turbo3 | auto | 3.75 / 3.625 | 4.3x / 4.4x | 32 |
-| max | turbo3 | turbo2 | auto | 2.75 / 2.625 | 5.8x / 6.1x | 8 |
+| preset | K | V | InnerQ | bits/value (head_dim 64 / 128) | bytes vs f16 | recent R | calibrated table |
+|---|---|---|---|---|---|---|---|
+| default | q8_0 | turbo3 | — | 5.875 / 5.8125 | 2.7x | 8 | — |
+| balanced | turbo4 | turbo3 | auto | 3.75 / 3.625 | 4.3x / 4.4x | 64 | ratio 3.5x at 2k, ring paid per model, <= 4.25 |
+| max | turbo3 | turbo2 | auto | 2.75 / 2.625 | 5.8x / 6.1x | 8 | 3.125 bits/value |
 
-"auto" InnerQ: the table calibrated for the model (`polykv calibrate`), when one exists. Bytes follow
-from DESIGN §3 and are checked against measured tensors by the tests; the quality of `balanced` and
-`max` against issue K's gates is measured by `polykv eval tiers` (docs/quality.md), not promised here.
+(bits / bytes: the fixed K/V without their ring, DESIGN §3.) "auto" InnerQ: the table calibrated for the
+model (`polykv calibrate`), when one exists. Bytes follow from DESIGN §3 and are checked against measured
+tensors by the tests; the quality of `balanced` and `max` against issue K's gates is measured in
+docs/quality.md, not promised here.
 
-Calibrated precision: `balanced` and `max` carry a bits/value budget (`bits`). When the model has a
-precision table (`polykv calibrate --bits B`, `polykv.hf.precision`), `KVCache(model, preset=...)`
-takes per-layer K/V types allocated from it at that budget instead of the fixed K/V above (explicit
-k= / v= keep the fixed types); `KVCache.precision["source"]` says which ("calibrated" / "fixed").
-Budgets: balanced 4.25 bits/value (16 / 4.25 = 3.76x fewer bytes than f16, gate 3.5x), max 3.125
-(5.12x, gate 5.0x): a little under each gate's 4.57 / 3.2 so that fp16 scales of odd head_dims
-and rounding never cross it. Balanced at 4.375 / 4.5 passed on neither model (Gemma-3 ppl +1.15 %
-at both; SmolLM2 +1.01 % at 4.375, +0.43 % but real_frac 2/24 at 4.5): docs/quality.md, "Balanced's
-bits budget above 4.25".
+Calibrated precision: `balanced` and `max` carry a budget. When the model has a precision table
+(`polykv calibrate --bits B`, `polykv.hf.precision`), `KVCache(model, preset=...)` takes per-layer K/V
+types allocated from it instead of the fixed K/V above (explicit k= / v= keep the fixed types);
+`KVCache.precision` says which ("source": "calibrated" / "fixed") and the budget used ("bits_target").
+
+- `bits` alone (max): the table is allocated at that bits/value; the ring comes on top. Max 3.125
+  (5.12x before its ring, gate 5.0x). Max as a ratio preset with R = 32 was measured and not kept
+  (SmolLM2 real_frac 2/24 but code needles still 13/16; Gemma-3 ppl +3.09 % at 2.75 bits).
+- `ratio` (balanced): the held bytes f16 / preset at GATE_CTX = 2,048 tokens, ring included, that the
+  allocation must meet with RATIO_MARGIN (1 %): budget = 16 / (ratio x 1.01) minus the ring's bits/value
+  for the model's shape (`polykv.hf.precision.ratio_budget`), at most `bits` (4.25; balanced at 4.375 /
+  4.5 passed on neither model: docs/quality.md, "Balanced's bits budget above 4.25"). `precision` then
+  also reports "ring" (rows, bits, ctx), "ratio_target" and "ratio_expected". A ring weighs per model:
+  balanced's R = 64 costs 0.266 bits/value on SmolLM2 (budget 4.26, capped: 4.25) and 0.709 on
+  Gemma-3, whose sliding layers hold 511 rows (budget 3.817, allocated 3.650). Measured held bytes at
+  2,047 rows: 3.543x / 3.670x (docs/quality.md, "Balanced with a ring paid by its table (session 12)").
+  The ring R that the budget pays for is the preset's (`preset_policy(..., recent=)` takes another).
 
 Recent window (`recent`, issue K): every layer also holds its last R rows at q8_0 and attention reads
 those instead of the layer codec's copy (`polykv.cache.ring`; explicit k= / v= without a preset: none).
 It costs R q8_0 rows per layer whatever the length, so its share of the bytes falls as 1/length; the
-gates are at 2,048 tokens. R was chosen there from measured held bytes and perplexity
-(docs/quality.md, "Anchors: the recent window as storage"), SmolLM2 / Gemma-3 (Gemma's sliding layers
-hold 511 rows, so the ring weighs ~4x more there): default R = 8 (2.708x / 2.711x vs f16; R = 16 would
-fall under 2.7x), balanced R = 32 (3.65x / 3.505x; ppl Δ +0.16 % on 4 windows / +0.67 % on 8), max
-R = 8 (5.08x / 5.008x; R = 16 is 4.87x on Gemma-3).
+gates are at 2,048 tokens. R was chosen there from measured held bytes and the gates
+(docs/quality.md, "Anchors: the recent window as storage", "Gates after session 11", session 12),
+SmolLM2 / Gemma-3: default R = 8 (2.708x / 2.711x vs f16; R = 16 would fall under 2.7x), balanced
+R = 64 (3.543x / 3.670x; ppl Δ +0.14 % on 4 windows / +0.88 % on 8; code needles = f16 on both, where
+R = 32 lost one on SmolLM2), max R = 8 (5.08x / 5.008x; R = 16 is 4.87x on Gemma-3).
 """
 
 from __future__ import annotations
