@@ -164,7 +164,14 @@ class AgentRings:
         enc_v = lay.codec.empty((G, lay.kv_heads, n_q), dev)
         dispatch.quantize_into(enc_k, k, lay.codec, cols)
         dispatch.quantize_into(enc_v, v, lay.codec, cols)
-        old_k, old_v = lay.gather(gather_rows)  # before this forward's writes
+        if R - 1 + n_q <= C:
+            # the segment's positions are distinct rows of the ring and every real column is kept
+            # (n_q <= spare + 1: a decode or verify step), so store first and read the segment
+            # back: the padded columns' rows are untouched, the real ones hold the new rows
+            lay.scatter(rows, enc_k, enc_v)
+            seg_k, seg_v = lay.gather(gather_rows)
+            return seg_k, seg_v, kv_start
+        old_k, old_v = lay.gather(gather_rows)  # before this forward's writes (a long prompt)
 
         def seg(old: Packed, enc: Packed) -> Packed:
             def one(o, e):
