@@ -122,15 +122,17 @@ def _check_types(k: str, v: str) -> None:
 
 
 def preset_overrides(model, preset: Optional[str], k: Optional[str], v: Optional[str],
-                     precision: Optional[str]) -> tuple[Optional[dict], Optional[dict]]:
+                     precision: Optional[str], recent: Optional[int] = None
+                     ) -> tuple[Optional[dict], Optional[dict]]:
     """(overrides, info) for an eval command, as KVCache(model, preset=...) picks them: a preset with a
-    bits budget and no explicit --k / --v takes the calibrated precision table's per-layer types."""
+    bits budget and no explicit --k / --v takes the calibrated precision table's per-layer types.
+    recent: the run's ring R, which a ratio preset's budget pays for (None: the preset's own)."""
     from ..hf.precision import preset_precision
 
     p = None if precision is None or precision.lower() == "none" else precision
     try:
         return preset_precision(model, preset, "explicit --k / --v" if (k is not None or v is not None)
-                                else None, p)
+                                else None, p, recent=recent)
     except (KeyError, ValueError) as e:
         raise typer.BadParameter(str(e)) from None
 
@@ -188,7 +190,7 @@ def ppl(preset: Optional[str] = typer.Option(None, "--preset", help=PRESET_HELP)
         raise typer.BadParameter("--chunk / --skip-tokens apply to --method windows only")
     m, tok = _load(model, threads, device)
     run = eval_ppl if method == "windows" else eval_prefill_score
-    ov, info = preset_overrides(m, preset, k_arg, v_arg, precision)
+    ov, info = preset_overrides(m, preset, k_arg, v_arg, precision, None if anc is not None else rec)
     extra = {"anchors": anc} if anc is not None else {}
     extra["recent"] = rec
     if method == "windows":
@@ -231,7 +233,7 @@ def equiv(preset: Optional[str] = typer.Option(None, "--preset", help=PRESET_HEL
     from .common import load_prompts
 
     plist = load_prompts(prompts)[:limit] if limit else prompts
-    ov, info = preset_overrides(m, preset, k_arg, v_arg, precision)
+    ov, info = preset_overrides(m, preset, k_arg, v_arg, precision, None if anc is not None else rec)
     r = eval_equiv(m, tok, k, v, prompts=plist, innerq=iq, keep_layers_q8=keep_layers_q8,
                    max_new_tokens=max_new_tokens, overrides=ov, anchors=anc, details=details, recent=rec)
     r["preset"] = preset
@@ -280,7 +282,7 @@ def ruler(task: str = typer.Option("niah", "--task", help="niah, vt or codes (ra
     anc = _anchors(anchors)
     rec = _recent(preset, k_arg, v_arg, recent, anc)
     m, tok = _load(model, threads, device)
-    ov, info = preset_overrides(m, preset, k_arg, v_arg, precision)
+    ov, info = preset_overrides(m, preset, k_arg, v_arg, precision, None if anc is not None else rec)
     try:
         r = eval_ruler(m, tok, task, ctx, k, v, samples, seed, innerq=iq, text=text, details=details,
                        reference=ref, overrides=ov, anchors=anc, recent=rec)

@@ -372,7 +372,7 @@ class KVCache(Cache):
         fixed_by = "explicit k= / v=" if (k is not None or v is not None) else None
         recent = recent_for(preset, k, v, recent)
         k, v, innerq = resolve(preset, k, v, innerq)
-        policy, self.precision = preset_precision(model, preset, fixed_by, precision)
+        policy, self.precision = preset_precision(model, preset, fixed_by, precision, recent=recent)
         check_codec_name(k)
         check_codec_name(v)
         layout = model_layout(model)

@@ -172,7 +172,7 @@ class SharedKVPool:
         k, v, innerq = resolve(preset, k, v, innerq)
         # as KVCache.precision: a preset's calibrated or fixed types (None without a preset)
         policy, self.precision = preset_precision(model, preset, "explicit k= / v= / overrides=" if by_hand
-                                                  else None, precision)
+                                                  else None, precision, recent=self.recent)
         overrides = overrides or policy
 
         self.model, self.tok = model, tok

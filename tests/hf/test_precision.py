@@ -286,6 +286,10 @@ def test_ratio_preset_info_and_what_it_leaves_alone(cache_dir):
     assert big["bits_target"] < p.bits and big["ratio_expected"] >= p.ratio
     _, none = preset_policy(model, "balanced", table, recent=0)
     assert none["bits_target"] == p.bits and none["ring"]["bits"] == 0.0
+    # KVCache's own recent= is the ring the budget pays for (not the preset's R)
+    own = polykv.KVCache(model, preset="balanced", recent=400)
+    assert own.recent == 400 and own.precision["ring"] == big["ring"]
+    assert own.precision["bits_target"] == big["bits_target"]
     # a bits-only preset: its budget, no ring accounting
     m = polykv.KVCache(model, preset="max").precision
     assert PRESETS["max"].ratio is None

@@ -71,6 +71,13 @@ def test_pool_preset_takes_the_calibrated_table(cache_dir):
             p2 = SharedKVPool(model, tok, preset=name, **kw)
             assert p2.precision["source"] == "fixed", kw
     assert SharedKVPool(model, tok).precision is None  # no preset asked
+    # the pool's own recent= is the ring balanced's budget pays for
+    from polykv.hf.precision import preset_policy
+
+    _, want_info = preset_policy(model, "balanced", table, recent=300)
+    own = SharedKVPool(model, tok, preset="balanced", recent=300)
+    assert own.recent == 300 and own.precision["ring"] == want_info["ring"]
+    assert own.precision["bits_target"] == want_info["bits_target"]
 
 
 def test_mixed_layers_generate_like_the_same_overrides(cache_dir):
