@@ -241,6 +241,10 @@ def bench_e2e_cmd(
     kv_ctx: int = typer.Option(16384, "--kv-ctx", help="kvcache_decode: prefilled tokens."),
     kv_layers: int = typer.Option(8, "--kv-layers", help="kvcache_decode: model layers."),
     kv_batches: str = typer.Option("1,8", "--kv-batches", help="kvcache_decode: batch sizes."),
+    kv_recent: str = typer.Option("", "--kv-recent", help="kvcache_decode: recent windows R > 0 also "
+                                  "timed (comma list)."),
+    pool_recent: str = typer.Option("", "--pool-recent", help="pool_decode: recent windows R > 0 also "
+                                    "timed (comma list; the default preset's R is 8)."),
     steps: int = typer.Option(20, "--steps", help="Timed decode steps (median reported)."),
     warmup: int = typer.Option(3, "--warmup", help="Untimed decode steps first."),
     scenarios: str = typer.Option("pool_decode,prefill,kvcache_decode", "--scenarios"),
@@ -269,7 +273,7 @@ def bench_e2e_cmd(
                        kv_batches=ints(kv_batches), steps=steps, warmup=warmup,
                        scenarios=tuple(s for s in scenarios.split(",") if s), k=k, v=v,
                        suffix_tokens=suffix_tokens, chunk=chunk, device=device, compile=compile_, tiny=tiny,
-                       out=out)
+                       out=out, kv_recents=ints(kv_recent), pool_recents=ints(pool_recent))
     if json_out:
         emit(result)
         return

@@ -373,8 +373,11 @@ def _pool_baseline(clock: Clock, model, doc_cache, ctx: int, sfx: torch.Tensor, 
 
 @torch.no_grad()
 def run_pool_decode(model, clock: Clock, *, agents, ctx: int, suffix_tokens: int, k: str, v: str,
-                    warmup: int, steps: int, chunk: int, log, compile: bool = False) -> list[Row]:
-    """Scenario a (see module doc): one row per agent count."""
+                    warmup: int, steps: int, chunk: int, log, compile: bool = False,
+                    recents=()) -> list[Row]:
+    """Scenario a (see module doc): one row per agent count. recents: recent windows R > 0 (issue
+    K; a preset pool's default) also timed per row, a pool with `recent=R` over the same document:
+    ms_polykv_recent{R}, ms_polykv_pipelined_recent{R}, speedup_pipelined_recent{R}."""
     from polykv.pool import SharedKVPool
 
     cfg = model.config
@@ -420,6 +423,23 @@ def run_pool_decode(model, clock: Clock, *, agents, ctx: int, suffix_tokens: int
         _speedup(row, "ms_baseline", "speedup_pipelined", "ms_polykv_pipelined")
         rows.append(row)
         clock.free()
+    for r in recents:
+        log(f"pool_decode: prefill {ctx} tokens (pool, {k}/{v}, recent={r})")
+        ring_pool = SharedKVPool(model, None, k=k, v=v, progress=False, prefill_chunk=chunk, recent=r)
+        ring_doc = ring_pool.add_document(doc_ids.tolist())
+        for row in rows:
+            n = row["agents"]
+            log(f"pool_decode: {n} agents, polykv recent={r}")
+            res: dict = {}
+            _guard(row, f"polykv_recent{r}", lambda: res.update(
+                _pool_polykv(clock, ring_pool, ring_doc, sfx[:n].tolist(), warmup, steps)), clock)
+            if res:
+                row.update({f"ms_polykv_recent{r}": res["ms_polykv"],
+                            f"ms_polykv_pipelined_recent{r}": res.get("ms_polykv_pipelined")})
+                _speedup(row, "ms_baseline", f"speedup_pipelined_recent{r}", f"ms_polykv_pipelined_recent{r}")
+            clock.free()
+        ring_pool.close()
+        del ring_pool
     if compile:  # polykv again with the captured steps' norms and MLPs eager (POLYKV_COMPILE=0)
         from polykv.hf import graphs
 
@@ -719,7 +739,7 @@ def bench_e2e(agents=DEFAULTS["agents"], ctx: int = DEFAULTS["ctx"], layers: int
               scenarios=SCENARIOS, k: str = DEFAULTS["k"], v: str = DEFAULTS["v"],
               suffix_tokens: int = DEFAULTS["suffix_tokens"], chunk: int = DEFAULTS["chunk"],
               device: str = "cuda", compile: bool | None = None, tiny: bool = False, out: str | None = None,
-              log: Callable[[str], None] | None = None, kv_recents=()) -> dict:
+              log: Callable[[str], None] | None = None, kv_recents=(), pool_recents=()) -> dict:
     """Run the scenarios (module doc) and return {rows, env, config, errors, seconds}. With `out`,
     writes out/gpu_e2e.json after every scenario and out/gpu_e2e.png at the end. compile=None: on
     for CUDA, off for CPU (inductor on a CPU toy only costs time). Logs go to stderr."""
@@ -736,7 +756,8 @@ def bench_e2e(agents=DEFAULTS["agents"], ctx: int = DEFAULTS["ctx"], layers: int
     clock = Clock(dev)
     result = dict(rows=[], errors=[], env=env_info(dev),
                   config=dict(agents=list(agents), ctx=ctx, layers=layers, kv_ctx=kv_ctx, kv_layers=kv_layers,
-                              kv_batches=list(kv_batches), kv_recents=list(kv_recents), steps=steps,
+                              kv_batches=list(kv_batches), kv_recents=list(kv_recents),
+                              pool_recents=list(pool_recents), steps=steps,
                               warmup=warmup, scenarios=list(scenarios),
                               k=k, v=v, suffix_tokens=suffix_tokens, chunk=chunk, compile=compile, tiny=tiny,
                               dtype=str(dtype).replace("torch.", ""),
@@ -755,7 +776,8 @@ def bench_e2e(agents=DEFAULTS["agents"], ctx: int = DEFAULTS["ctx"], layers: int
     runs = dict(
         pool_decode=lambda: run_pool_decode(model_for(layers), clock, agents=list(agents), ctx=ctx,
                                             suffix_tokens=suffix_tokens, k=k, v=v, warmup=warmup, steps=steps,
-                                            chunk=chunk, log=log, compile=compile),
+                                            chunk=chunk, log=log, compile=compile,
+                                            recents=list(pool_recents)),
         prefill=lambda: run_prefill(model_for(layers), clock, ctx=ctx, k=k, v=v, chunk=chunk, log=log),
         kvcache_decode=lambda: run_kvcache_decode(model_for(kv_layers), clock, batches=list(kv_batches), ctx=kv_ctx,
                                                   k=k, v=v, warmup=warmup, steps=steps, chunk=chunk,
@@ -892,6 +914,7 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--kv-layers", type=int, default=d["kv_layers"])
     ap.add_argument("--kv-batches", default=",".join(map(str, d["kv_batches"])))
     ap.add_argument("--kv-recent", default="", help="recent windows R > 0 also timed in kvcache_decode rows")
+    ap.add_argument("--pool-recent", default="", help="recent windows R > 0 also timed in pool_decode rows")
     ap.add_argument("--steps", type=int, default=d["steps"])
     ap.add_argument("--warmup", type=int, default=d["warmup"])
     ap.add_argument("--scenarios", default=",".join(SCENARIOS))
@@ -908,7 +931,8 @@ def main(argv: list[str] | None = None) -> dict:
                        kv_batches=_ints(a.kv_batches), steps=a.steps, warmup=a.warmup,
                        scenarios=tuple(filter(None, a.scenarios.split(","))), k=a.k, v=a.v,
                        suffix_tokens=a.suffix_tokens, chunk=a.chunk, device=a.device, compile=a.compile,
-                       tiny=a.tiny, out=a.out, kv_recents=_ints(a.kv_recent) if a.kv_recent else ())
+                       tiny=a.tiny, out=a.out, kv_recents=_ints(a.kv_recent) if a.kv_recent else (),
+                       pool_recents=_ints(a.pool_recent) if a.pool_recent else ())
     print(json.dumps(result, default=str) if a.json else format_e2e(result))
     return result
 

@@ -15,7 +15,7 @@ E2E_ROW = {"scenario", "agents", "layers", "ctx", "ms_polykv", "ms_baseline", "s
 
 TINY = ["bench", "e2e", "--device", "cpu", "--tiny", "--agents", "1,2", "--ctx", "64", "--layers", "2",
         "--suffix-tokens", "8", "--kv-ctx", "64", "--kv-layers", "2", "--kv-batches", "1,2", "--steps", "2",
-        "--warmup", "1", "--chunk", "32"]
+        "--warmup", "1", "--chunk", "32", "--pool-recent", "2", "--kv-recent", "2"]
 
 
 @pytest.fixture(scope="module")
@@ -42,11 +42,15 @@ def test_contract_rows(tiny_run):
         assert r["ms_polykv_pipelined"] > 0 and r["pipelined_identical"] is True, r
         assert r["speedup_pipelined"] == pytest.approx(r["ms_baseline"] / r["ms_polykv_pipelined"])
         assert "ms_polykv_eager_modules" not in r  # compile is off on the CPU (--compile's default)
+        # --pool-recent: the same rows for a pool with a recent window (a preset pool's default)
+        assert r["ms_polykv_recent2"] > 0 and r["ms_polykv_pipelined_recent2"] > 0, r
+        assert r["speedup_pipelined_recent2"] == pytest.approx(r["ms_baseline"] / r["ms_polykv_pipelined_recent2"])
     assert pool[2]["kv_bytes_baseline"] > pool[1]["kv_bytes_baseline"] + pool[1]["kv_bytes_baseline_single_copy"] // 2
     assert pool[2]["kv_bytes_polykv_shared"] == pool[1]["kv_bytes_polykv_shared"]
     kv = [r for r in rows if r["scenario"] == "kvcache_decode"]
     for r in kv:
         assert r["ms_static_eager"] > 0 and r["polykv_path"] in ("DecodeGraph", "eager")
+        assert r["ms_polykv_recent2"] > 0, r  # --kv-recent through the CLI
         assert r["ms_static_compile"] is None and "compile off" in r["static_compile_error"]  # CPU default
 
 
