@@ -27,7 +27,8 @@ types allocated from it instead of the fixed K/V above (explicit k= / v= keep th
   balanced's R = 64 costs 0.266 bits/value on SmolLM2 (budget 4.26, capped: 4.25) and 0.709 on
   Gemma-3, whose sliding layers hold 511 rows (budget 3.817, allocated 3.650). Measured held bytes at
   2,047 rows: 3.543x / 3.670x (docs/quality.md, "Balanced with a ring paid by its table (session 12)").
-  The ring R that the budget pays for is the preset's (`preset_policy(..., recent=)` takes another).
+  The ring the budget pays for is the cache's own (`recent=` on KVCache / SharedKVPool, `--recent`
+  on eval; the preset's R by default).
 
 Recent window (`recent`, issue K): every layer also holds its last R rows at q8_0 and attention reads
 those instead of the layer codec's copy (`polykv.cache.ring`; explicit k= / v= without a preset: none).
