@@ -4,6 +4,7 @@ output checked against the torch reference on the same packed data (rel. error i
 the fp16 dense cascade (bench.attention.dense_cascade) timed once per agent count in the same run.
 
     PYTHONPATH=. python3 polykv/bench/cascade_sweep.py [--ctx 32768] [--agents 8,32,64] [--configs JSON]
+    PYTHONPATH=. ncu ... python3 polykv/bench/cascade_sweep.py --ctx 65536 --agents 32 --configs '[{}]' --profile
 
 Writes cascade_sweep.json under $OUT (or .).
 """
@@ -26,10 +27,10 @@ CONFIGS = [  # risky builds last: one that dies in LLVM slows every later config
 ]
 
 
-def check_error(ctx: int, agents: int, k: str, v: str, tune: dict, suffix: int = 64) -> float:
-    """rel. error of the cascade under `tune` vs cascade_attention_ref, same packed data."""
+def _inputs(ctx: int, agents: int, k: str, v: str, suffix: int = 64) -> tuple:
+    """A cascade call's arguments (seeded): q [agents, 32, 1, 128] fp16, the packed 8-head prefix of
+    ctx rows, suffixes of `suffix` rows, their lengths, the codecs."""
     from polykv.codecs import get_codec
-    from polykv.kernels import cascade_attention, cascade_attention_ref
 
     g = torch.Generator(device="cuda").manual_seed(7)
     kc, vc = get_codec(k, 128), get_codec(v, 128)
@@ -40,11 +41,30 @@ def check_error(ctx: int, agents: int, k: str, v: str, tune: dict, suffix: int =
     pk, pv = kc.encode(rnd(1, 8, ctx, 128)), vc.encode(rnd(1, 8, ctx, 128))
     sk, sv = kc.encode(rnd(agents, 8, suffix, 128)), vc.encode(rnd(agents, 8, suffix, 128))
     sl = torch.full((agents,), suffix, dtype=torch.int32, device="cuda")
-    q = rnd(agents, 32, 1, 128)
-    out, _ = cascade_attention(q, pk, pv, sk, sv, sl, kc, vc, **tune)
-    ref, _ = cascade_attention_ref(q, pk, pv, sk, sv, sl, kc, vc)
+    return rnd(agents, 32, 1, 128), pk, pv, sk, sv, sl, kc, vc
+
+
+def check_error(ctx: int, agents: int, k: str, v: str, tune: dict, suffix: int = 64) -> float:
+    """rel. error of the cascade under `tune` vs cascade_attention_ref, same packed data."""
+    from polykv.kernels import cascade_attention, cascade_attention_ref
+
+    args = _inputs(ctx, agents, k, v, suffix)
+    out, _ = cascade_attention(*args, **tune)
+    ref, _ = cascade_attention_ref(*args)
     a, b = out.double(), ref.double()
     return float((a - b).norm() / b.norm())
+
+
+def profile_calls(ctx: int, agents: int, k: str, v: str, tune: dict, calls: int = 3) -> None:
+    """`calls` eager cascade calls under `tune`, nothing else timed or checked: the target of a
+    profiler (kernels_notes v16: `ncu -k 'regex:_ws_prefix_kernel|_phase_decode_kernel|_combine_kernel'
+    --launch-skip 3 -c 3 ... cascade_sweep.py --profile ...`: the second call's three kernels)."""
+    from polykv.kernels import cascade_attention
+
+    args = _inputs(ctx, agents, k, v)
+    for _ in range(calls):
+        cascade_attention(*args, **tune)
+    torch.cuda.synchronize()
 
 
 def _resolve(cfg: dict) -> dict:
@@ -68,8 +88,15 @@ def main() -> None:
     ap.add_argument("--configs", default=None,
                     help="a JSON list of tune dicts to sweep instead of CONFIGS ({} = the defaults)")
     ap.add_argument("--out", default=os.environ.get("OUT", "."))
+    ap.add_argument("--profile", action="store_true",
+                    help="only three eager calls per agent count and config, for a profiler (ncu)")
     args = ap.parse_args()
     configs = json.loads(args.configs) if args.configs else CONFIGS
+    if args.profile:
+        for n in [int(a) for a in args.agents.split(",")]:
+            for cfg in configs:
+                profile_calls(args.ctx, n, args.k, args.v, _resolve(cfg))
+        return
     rows = []
     for n in [int(a) for a in args.agents.split(",")]:
         for i, cfg in enumerate(configs):
@@ -92,8 +119,10 @@ def main() -> None:
         json.dump(rows, f, indent=1)
     for n in sorted({r["agents"] for r in rows}):
         ok = sorted((r for r in rows if r["agents"] == n and "us" in r), key=lambda r: r["us"])
-        print(f"best @{n} agents: {ok[0]['cfg']} {ok[0]['us']:.1f} us (default "
-              f"{next(r['us'] for r in rows if r['agents'] == n and r['cfg'] == {} and 'us' in r):.1f})")
+        default = next((r["us"] for r in rows if r["agents"] == n and r["cfg"] == {} and "us" in r), None)
+        if ok:
+            print(f"best @{n} agents: {ok[0]['cfg']} {ok[0]['us']:.1f} us" +
+                  (f" (default {default:.1f})" if default is not None else ""))
 
 
 if __name__ == "__main__":
