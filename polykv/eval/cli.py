@@ -52,6 +52,38 @@ ANCHORS_HELP = ("simulate anchors on the cache under test (measurement only, CPU
                 "the N rows before each chunk read at that precision; adds the JSON field 'anchors'")
 
 
+HEADS_HELP = ("simulate per-head K/V types (measurement only, CPU materialize path; polykv/eval/heads.py): "
+              "'TABLE@BITS' = a per-head precision table (measure_sensitivity(per_head=True)) allocated at "
+              "BITS bits/value; replaces the per-layer types, keeps the ring; adds the JSON field 'head_types'")
+
+
+def _heads(spec: Optional[str], anc):
+    if not spec:
+        return None
+    if anc is not None:
+        raise typer.BadParameter("--head-types and --anchors are two simulations: one at a time")
+    from .heads import HeadTypes
+
+    try:
+        return HeadTypes.parse(spec)
+    except (OSError, ValueError) as e:
+        raise typer.BadParameter(str(e)) from None
+
+
+def _head_fields(r: dict, ht, model, recent: int) -> None:
+    """The run's JSON with --head-types: field 'head_types' (the allocation, its bits/value and the
+    f16 / held ratio a per-head store with this ring would reach at 2,048 tokens); 'precision' says
+    the per-layer table was not used."""
+    if ht is None:
+        return
+    from ..hf.kv_cache import model_layout
+
+    r.pop("anchors", None)
+    r["head_types"] = {**ht.as_dict(), "recent": recent,
+                       "ratio_expected": round(ht.ratio_expected(model_layout(model), recent), 4)}
+    r["precision"] = {"source": "head_types", "reason": "--head-types (simulated per-head types)"}
+
+
 RECENT_HELP = ("recent window as storage: every layer's last N rows also held at q8_0 and read instead of "
                "the layer codec's copy (KVCache(recent=N)); default: the preset's (0 with explicit --k / --v)")
 
@@ -166,6 +198,7 @@ def ppl(preset: Optional[str] = typer.Option(None, "--preset", help=PRESET_HELP)
         keep_layers_q8: int = typer.Option(0, "--keep-layers-q8", help="first/last n layers stored as q8_0"),
         precision: str = typer.Option("auto", "--precision", help=PRECISION_HELP),
         anchors: Optional[str] = typer.Option(None, "--anchors", help=ANCHORS_HELP + " (--method windows)"),
+        head_types: Optional[str] = typer.Option(None, "--head-types", help=HEADS_HELP + " (--method windows)"),
         recent: Optional[int] = typer.Option(None, "--recent", min=0, help=RECENT_HELP),
         chunk: int = typer.Option(64, "--chunk", min=1, help="tokens per forward in the scored half "
                                   "(--method windows; 1: token by token, as decoding feeds them)"),
@@ -185,13 +218,17 @@ def ppl(preset: Optional[str] = typer.Option(None, "--preset", help=PRESET_HELP)
     anc = _anchors(anchors)
     if anc is not None and method != "windows":
         raise typer.BadParameter("--anchors is measured with --method windows only")
+    ht = _heads(head_types, anc)
+    if ht is not None and method != "windows":
+        raise typer.BadParameter("--head-types is measured with --method windows only")
     rec = _recent(preset, k_arg, v_arg, recent, anc)
     if (chunk != 64 or skip_tokens) and method != "windows":
         raise typer.BadParameter("--chunk / --skip-tokens apply to --method windows only")
     m, tok = _load(model, threads, device)
     run = eval_ppl if method == "windows" else eval_prefill_score
     ov, info = preset_overrides(m, preset, k_arg, v_arg, precision, None if anc is not None else rec)
-    extra = {"anchors": anc} if anc is not None else {}
+    sim = anc if anc is not None else ht
+    extra = {"anchors": sim} if sim is not None else {}
     extra["recent"] = rec
     if method == "windows":
         extra.update(chunk=chunk, skip_tokens=skip_tokens)
@@ -199,6 +236,7 @@ def ppl(preset: Optional[str] = typer.Option(None, "--preset", help=PRESET_HELP)
             overrides=ov, **extra)
     r["preset"] = preset
     r["precision"] = info
+    _head_fields(r, ht, m, rec)
     _emit(r, as_json, lambda r: _kv_table(f"ppl K {k} / V {v} @ {ctx}", r,
                                           ["ppl", "ppl_ref", "delta_pct", "tokens", "windows", "recent",
                                            "kv_bytes", "kv_bytes_f16", "bytes_ratio", "bits_per_value", "kv_bytes_held", "kv_bytes_f16",
@@ -217,6 +255,7 @@ def equiv(preset: Optional[str] = typer.Option(None, "--preset", help=PRESET_HEL
           keep_layers_q8: int = typer.Option(0, "--keep-layers-q8"),
           precision: str = typer.Option("auto", "--precision", help=PRECISION_HELP),
           anchors: Optional[str] = typer.Option(None, "--anchors", help=ANCHORS_HELP),
+          head_types: Optional[str] = typer.Option(None, "--head-types", help=HEADS_HELP),
           recent: Optional[int] = typer.Option(None, "--recent", min=0, help=RECENT_HELP),
           details: bool = typer.Option(False, "--details", help="per-prompt answers and divergences (field: prompts)"),
           threads: Optional[int] = typer.Option(None, "--threads"),
@@ -228,6 +267,7 @@ def equiv(preset: Optional[str] = typer.Option(None, "--preset", help=PRESET_HEL
     from .equiv import eval_equiv
 
     anc = _anchors(anchors)
+    ht = _heads(head_types, anc)
     rec = _recent(preset, k_arg, v_arg, recent, anc)
     m, tok = _load(model, threads, device)
     from .common import load_prompts
@@ -235,9 +275,11 @@ def equiv(preset: Optional[str] = typer.Option(None, "--preset", help=PRESET_HEL
     plist = load_prompts(prompts)[:limit] if limit else prompts
     ov, info = preset_overrides(m, preset, k_arg, v_arg, precision, None if anc is not None else rec)
     r = eval_equiv(m, tok, k, v, prompts=plist, innerq=iq, keep_layers_q8=keep_layers_q8,
-                   max_new_tokens=max_new_tokens, overrides=ov, anchors=anc, details=details, recent=rec)
+                   max_new_tokens=max_new_tokens, overrides=ov, anchors=anc if anc is not None else ht,
+                   details=details, recent=rec)
     r["preset"] = preset
     r["precision"] = info
+    _head_fields(r, ht, m, rec)
     _emit(r, as_json, lambda r: _kv_table(f"equiv K {k} / V {v}", r,
                                           ["verdict", "real_frac", "mean_tv", "p95_tv", "recall_mismatch", "n",
                                            "recall", "recall_ref", "seconds"]))
@@ -259,6 +301,7 @@ def ruler(task: str = typer.Option("niah", "--task", help="niah, vt or codes (ra
           innerq: Optional[str] = typer.Option(None, "--innerq", help=INNERQ_HELP),
           precision: str = typer.Option("auto", "--precision", help=PRECISION_HELP),
           anchors: Optional[str] = typer.Option(None, "--anchors", help=ANCHORS_HELP),
+          head_types: Optional[str] = typer.Option(None, "--head-types", help=HEADS_HELP),
           recent: Optional[int] = typer.Option(None, "--recent", min=0, help=RECENT_HELP),
           threads: Optional[int] = typer.Option(None, "--threads"),
           device: Optional[str] = typer.Option(None, "--device", help=DEVICE_HELP),
@@ -280,16 +323,18 @@ def ruler(task: str = typer.Option("niah", "--task", help="niah, vt or codes (ra
             raise typer.BadParameter(str(e)) from None
     ref = json.loads(reference.read_text(encoding="utf-8")) if reference is not None else None
     anc = _anchors(anchors)
+    ht = _heads(head_types, anc)
     rec = _recent(preset, k_arg, v_arg, recent, anc)
     m, tok = _load(model, threads, device)
     ov, info = preset_overrides(m, preset, k_arg, v_arg, precision, None if anc is not None else rec)
     try:
         r = eval_ruler(m, tok, task, ctx, k, v, samples, seed, innerq=iq, text=text, details=details,
-                       reference=ref, overrides=ov, anchors=anc, recent=rec)
+                       reference=ref, overrides=ov, anchors=anc if anc is not None else ht, recent=rec)
     except ValueError as e:
         raise typer.BadParameter(str(e)) from None
     r["preset"] = preset
     r["precision"] = info
+    _head_fields(r, ht, m, rec)
     _emit(r, as_json, lambda r: _kv_table(f"ruler {task} @ {r['ctx']} K {k} / V {v}", r,
                                           ["score", "score_ref", "samples", "seconds"]))
 

@@ -80,10 +80,16 @@ def format_prompt(tok, context: str, question: str, answer_prefix: str = "") -> 
 def make_cache(model, k: str, v: str, innerq=None, keep_layers_q8: int = 0, overrides=None, anchors=None,
                recent: int = 0):
     """overrides: {layer: (k, v)} per-layer types (e.g. a preset's calibrated precision policy);
-    anchors: polykv.eval.anchors.Anchors — simulated anchor rows (measurement only; None: a KVCache);
-    recent: R, the recent window held as storage (`KVCache(..., recent=R)`)."""
+    anchors: a simulation on the cache under test (measurement only; None: a KVCache) —
+    polykv.eval.anchors.Anchors (anchor rows; no ring) or polykv.eval.heads.HeadTypes (per-head types,
+    which replace `overrides`; the ring kept); recent: R, the recent window held as storage
+    (`KVCache(..., recent=R)`)."""
     from ..hf.kv_cache import KVCache
+    from .heads import HeadTypedKVCache, HeadTypes
 
+    if isinstance(anchors, HeadTypes):
+        return HeadTypedKVCache(model, k=k, v=v, innerq=innerq, keep_layers_q8=keep_layers_q8,
+                                heads=anchors, recent=recent)
     if anchors is not None:
         from .anchors import AnchoredKVCache
 

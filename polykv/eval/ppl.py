@@ -176,9 +176,10 @@ def _run(model, tok, wins, k, v, innerq, keep_layers_q8, show, desc, overrides=N
         cache.compact()
         report = cache.memory_report()
         if anchors is not None:
-            from .anchors import anchored_bits
+            from .anchors import Anchors, anchored_bits
 
-            report["anchors"] = {**anchors.as_dict(), **anchored_bits(cache)}
+            report["anchors"] = {**anchors.as_dict(),
+                                 **(anchored_bits(cache) if isinstance(anchors, Anchors) else {})}
         del cache
     return nll, count, report
 

@@ -50,6 +50,13 @@ scales/norms, DESIGN §3) for the layer's head_dim; the average weighs each laye
 holds at `ctx` tokens (kv_heads x head_dim x rows; a sliding layer holds at most window - 1 rows),
 i.e. it is the bits/value `KVCache.memory_report()` measures on a ctx-token window.
 
+Per head (`measure_sensitivity(..., per_head=True)`, measurement only). The same measurement with
+one row per (layer, KV head): only that head's rows of the layer stored as the type. The allocation
+is unchanged (rows are units; a head weighs its share of the layer's values), so the same bits can go
+to the heads that matter instead of to whole layers. A KVCache stores one type per layer, so such a
+table is not loaded by presets; `polykv.eval.heads` simulates what a cache holding those per-head types
+would score (docs/quality.md, "Per-head types, simulated").
+
 A preset that states a ratio (`Preset.ratio`, balanced) pays for its recent ring from the table, per
 model (`preset_policy`, `ratio_budget`): the budget is 16 / (ratio x (1 + RATIO_MARGIN)) minus the
 ring's bits/value at the gate length (2,048 tokens; `ring_bits`: R q8_0 rows per layer, a sliding layer
@@ -343,13 +350,15 @@ def copy_examples(tok, n: int = COPY_PROMPTS, seed: int = COPY_SEED, ctx: int = 
     return out
 
 
-def _layer_errors(model, examples, layout, innerq, k_types, v_types, progress: bool, desc: str
-                  ) -> tuple[list[dict], list[dict], int]:
+def _layer_errors(model, examples, layout, innerq, k_types, v_types, progress: bool, desc: str,
+                  per_head: bool = False) -> tuple[list[dict], list[dict], int]:
     """Per layer and candidate type, the mean over scored positions (pooled over examples) of
     KL(p_exact || p_test) when only that layer's prefix K (resp. V) is stored as the type.
     examples: [(ids, prefix)]: ids[:prefix] is the stored prefix, ids[prefix:] the scored part
-    (run as one chunk; its own rows exact, as KVCache attends to a chunk). Returns (k_err, v_err,
-    scored positions)."""
+    (run as one chunk; its own rows exact, as KVCache attends to a chunk). per_head: one entry per
+    (layer, KV head) in layer-major order instead, only that head's rows stored as the type (the
+    codecs encode each head's rows on their own, so that head's slice of the layer's round trip is
+    exactly what it would store). Returns (k_err, v_err, scored positions)."""
     from transformers import DynamicCache
 
     from ..eval.common import progress as bar
@@ -376,25 +385,38 @@ def _layer_errors(model, examples, layout, innerq, k_types, v_types, progress: b
         run[3] = scored(run)
         run[4] = run[3].exp()
     positions = sum(run[1].shape[1] for run in runs)
-    k_err: list[dict] = [{} for _ in layout]
-    v_err: list[dict] = [{} for _ in layout]
+    heads = [lay.num_kv_heads if per_head else 1 for lay in layout]
+    first = [sum(heads[:i]) for i in range(len(layout))]  # unit index of layer i's first head
+    k_err: list[dict] = [{} for _ in range(sum(heads))]
+    v_err: list[dict] = [{} for _ in range(sum(heads))]
     jobs = [(i, side, t) for i in range(len(layout)) for side, types in (("k", k_types), ("v", v_types))
             for t in types]
     for i, side, t in bar(jobs, desc=desc, enabled=progress):
         scales = innerq.layer(i) if innerq is not None else None
-        total = 0.0
+        total = [0.0] * heads[i]
         for run in runs:
             layer = run[0].layers[i]
             keys, values = layer.keys, layer.values
             if side == "k":
-                layer.keys, _ = _roundtrip(keys, values, t, "f16", scales)
+                rt, _ = _roundtrip(keys, values, t, "f16", scales)
             else:
-                _, layer.values = _roundtrip(keys, values, "f16", t, None)
-            try:
-                total += float((run[4] * (run[3] - scored(run))).sum())
-            finally:
-                layer.keys, layer.values = keys, values
-        (k_err if side == "k" else v_err)[i][t] = max(total / positions, 0.0)
+                _, rt = _roundtrip(keys, values, "f16", t, None)
+            for h in range(heads[i]):
+                if per_head:
+                    sub = (keys if side == "k" else values).clone()
+                    sub[:, h] = rt[:, h]
+                else:
+                    sub = rt
+                if side == "k":
+                    layer.keys = sub
+                else:
+                    layer.values = sub
+                try:
+                    total[h] += float((run[4] * (run[3] - scored(run))).sum())
+                finally:
+                    layer.keys, layer.values = keys, values
+        for h in range(heads[i]):
+            (k_err if side == "k" else v_err)[first[i] + h][t] = max(total[h] / positions, 0.0)
     return k_err, v_err, positions
 
 
@@ -430,13 +452,17 @@ def combine_errors(bits, signals: dict, weights: dict, k_types, v_types) -> tupl
 def measure_sensitivity(model, tok, ids: list[int] | None = None, innerq=None, k_types=K_TYPES,
                         v_types=V_TYPES, prefix: int = PREFIX_TOKENS, ctx: int = CTX,
                         progress: bool = False, copy_weight: float = 0.0,
-                        copy: list[tuple[list[int], int]] | None = None) -> PrecisionTable:
+                        copy: list[tuple[list[int], int]] | None = None, per_head: bool = False
+                        ) -> PrecisionTable:
     """Per layer and candidate type, the mean KL of the next-token distribution when only that
     layer's K (resp. V) prefix is stored as that type (module docstring). ids: calibration tokens
     (default: `calibration_ids(tok, PREFIX_TOKENS + SCORED_TOKENS)`); innerq: InnerQTable for turbo K.
     copy_weight > 0 also measures the copying signal on `copy` (default `copy_examples(tok)`) and
     the table's errors combine both (`combine_errors`, weights novel 1 - copy_weight, copy copy_weight);
-    both signals are kept in meta["signals"] (`PrecisionTable.reweigh` recombines them)."""
+    both signals are kept in meta["signals"] (`PrecisionTable.reweigh` recombines them).
+    per_head: one table row per (layer, KV head), layer-major ("Per head" in the module docstring;
+    meta "kv_heads" lists each layer's heads): for measurement (polykv.eval.heads simulates such
+    types), not for KVCache, which stores one type per layer (load_precision refuses it)."""
     from .fingerprint import innerq_key
     from .kv_cache import model_layout
 
@@ -448,16 +474,23 @@ def measure_sensitivity(model, tok, ids: list[int] | None = None, innerq=None, k
         raise ValueError(f"prefix {prefix} out of range for {len(ids)} calibration tokens")
     layout = model_layout(model)
     bits = layer_bits(layout, set(k_types) | set(v_types))
+    weight = layer_weights(layout, ctx)
+    if per_head:
+        n_h = [lay.num_kv_heads for lay in layout]
+        bits = [b for b, n in zip(bits, n_h) for _ in range(n)]
+        weight = [w / n for w, n in zip(weight, n_h) for _ in range(n)]
     k_err, v_err, _ = _layer_errors(model, [(ids, prefix)], layout, innerq, k_types, v_types, progress,
-                                    "precision: layer x type")
+                                    "precision: layer x type", per_head)
     meta = {"model": innerq_key(model), "metric": "mean KL(p_f32 || p_test), nats/token",
             "tokens": len(ids), "prefix": prefix, "text": "end of the bundled novel (calibration_ids)",
             "innerq": innerq is not None and bool(getattr(innerq, "scales", None)), "ctx": ctx}
+    if per_head:
+        meta["kv_heads"] = n_h
     if copy_weight > 0:
         if copy is None:
             copy = copy_examples(tok)
         ck, cv, pos = _layer_errors(model, copy, layout, innerq, k_types, v_types, progress,
-                                    "precision: copy, layer x type")
+                                    "precision: copy, layer x type", per_head)
         signals = {"novel": {"k_error": k_err, "v_error": v_err},
                    "copy": {"k_error": ck, "v_error": cv, "prompts": len(copy), "scored": pos,
                             "text": f"make_codes.make(seed={COPY_SEED}), {COPY_CTX} tokens, technical "
@@ -465,7 +498,7 @@ def measure_sensitivity(model, tok, ids: list[int] | None = None, innerq=None, k
         meta["signals"] = signals
         meta["weights"] = {"novel": 1.0 - copy_weight, "copy": copy_weight}
         k_err, v_err = combine_errors(bits, signals, meta["weights"], k_types, v_types)
-    return PrecisionTable(bits=bits, weight=layer_weights(layout, ctx), k_error=k_err, v_error=v_err,
+    return PrecisionTable(bits=bits, weight=weight, k_error=k_err, v_error=v_err,
                           k_types=tuple(k_types), v_types=tuple(v_types), meta=meta)
 
 
@@ -481,6 +514,9 @@ def load_precision(model, path=None) -> PrecisionTable | None:
             raise FileNotFoundError(f"precision table not found: {p}")
         return None
     table = PrecisionTable.load(p)
+    if "kv_heads" in table.meta:
+        raise ValueError(f"precision table {p} has per-head types (measurement only: polykv.eval.heads); "
+                         "a KVCache stores one type per layer")
     n = len(model_layout(model))
     if table.layers != n:
         raise ValueError(f"precision table {p} has {table.layers} layers, the model {n}")
