@@ -12,6 +12,7 @@ Writes cascade_sweep.json under $OUT (or .).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 
@@ -67,11 +68,31 @@ def profile_calls(ctx: int, agents: int, k: str, v: str, tune: dict, calls: int 
     torch.cuda.synchronize()
 
 
+@contextlib.contextmanager
+def module_consts(consts: dict | None):
+    """triton_decode's module constants set to `consts` (a config's "consts": e.g.
+    {"COMBINE_BLOCK_MIN_ROWS": 1 << 30}, the one-row combine) for the block, every launch and call
+    plan dropped before and after (they were made under the other values)."""
+    from polykv.kernels import triton_decode as td
+
+    old = {k: getattr(td, k) for k in consts or {}}
+    for k, v in (consts or {}).items():
+        setattr(td, k, v)
+    td._PLANS.clear(), td._CALLS.clear()
+    try:
+        yield
+    finally:
+        for k, v in old.items():
+            setattr(td, k, v)
+        td._PLANS.clear(), td._CALLS.clear()
+
+
 def _resolve(cfg: dict) -> dict:
-    """target_programs_mult (in cfg or its prefix_tune) -> target_programs for this GPU."""
+    """target_programs_mult (in cfg or its prefix_tune) -> target_programs for this GPU; the
+    config's "consts" left out (`module_consts` applies them)."""
     from polykv.kernels.triton_decode import num_programs_target
 
-    tune = {k: (dict(v) if isinstance(v, dict) else v) for k, v in cfg.items()}
+    tune = {k: (dict(v) if isinstance(v, dict) else v) for k, v in cfg.items() if k != "consts"}
     for d in (tune, tune.get("prefix_tune") or {}):
         mult = d.pop("target_programs_mult", None)
         if mult:
@@ -86,7 +107,8 @@ def main() -> None:
     ap.add_argument("--k", default="q8_0")
     ap.add_argument("--v", default="turbo3")
     ap.add_argument("--configs", default=None,
-                    help="a JSON list of tune dicts to sweep instead of CONFIGS ({} = the defaults)")
+                    help="a JSON list of tune dicts to sweep instead of CONFIGS ({} = the defaults; "
+                         "a dict's \"consts\": triton_decode module constants for that config)")
     ap.add_argument("--out", default=os.environ.get("OUT", "."))
     ap.add_argument("--profile", action="store_true",
                     help="only three eager calls per agent count and config, for a profiler (ncu)")
@@ -95,15 +117,17 @@ def main() -> None:
     if args.profile:
         for n in [int(a) for a in args.agents.split(",")]:
             for cfg in configs:
-                profile_calls(args.ctx, n, args.k, args.v, _resolve(cfg))
+                with module_consts(cfg.get("consts")):
+                    profile_calls(args.ctx, n, args.k, args.v, _resolve(cfg))
         return
     rows = []
     for n in [int(a) for a in args.agents.split(",")]:
         for i, cfg in enumerate(configs):
             tune = _resolve(cfg)
             try:
-                r = bench_one(args.ctx, n, args.k, args.v, suffix=64, sdpa=i == 0, tune=tune)
-                err = check_error(args.ctx, n, args.k, args.v, tune)
+                with module_consts(cfg.get("consts")):
+                    r = bench_one(args.ctx, n, args.k, args.v, suffix=64, sdpa=i == 0, tune=tune)
+                    err = check_error(args.ctx, n, args.k, args.v, tune)
             except Exception as e:  # noqa: BLE001 - a config that does not build is a result too
                 rows.append(dict(agents=n, cfg=cfg, error=repr(e)[:300]))
                 print(f"agents {n:3d} {str(cfg):60s} FAILED {e!r}"[:300], flush=True)

@@ -371,6 +371,86 @@ def _combine_kernel(PO, PL, SO, SL, OUT, LSE, ROT, HKV, M, N_AGENTS, NSP, NSS,
     tl.store(LSE + r, tl.where(tot > 0, m_safe + tl.log(den), float("-inf")))
 
 
+@triton.jit
+def _splits_tile_max(L, prow, rmask, NS, SC: tl.constexpr, NT: tl.constexpr, m):
+    """max(m, the LSE of rows prow's NS splits): NT [BLOCK_R, SC] tiles of L float32 [rows * NS]."""
+    s = tl.arange(0, SC)
+    for c in tl.static_range(0, NT * SC, SC):
+        mask = rmask[:, None] & (c + s < NS)[None, :]
+        m = tl.maximum(m, tl.max(tl.load(L + prow[:, None] * NS + c + s[None, :], mask=mask,
+                                         other=float("-inf")), 1))
+    return m
+
+
+@triton.jit
+def _splits_tile_sum(O, L, prow, rmask, NS, SC: tl.constexpr, NT: tl.constexpr, m_safe,
+                     D: tl.constexpr, acc, tot):
+    """(acc + rows prow's NS split outputs weighted by exp(lse - m_safe), tot + those weights):
+    NT [BLOCK_R, SC, D] tiles of O float32 [rows * NS, D], unrolled (every tile's loads in flight
+    at once)."""
+    s = tl.arange(0, SC)
+    d = tl.arange(0, D)
+    for c in tl.static_range(0, NT * SC, SC):
+        mask = rmask[:, None] & (c + s < NS)[None, :]
+        split = prow[:, None] * NS + c + s[None, :]
+        w = tl.exp(tl.load(L + split, mask=mask, other=float("-inf")) - m_safe[:, None])
+        o = tl.load(O + split[:, :, None] * D + d[None, None, :], mask=mask[:, :, None], other=0.0)
+        acc += tl.sum(o * w[:, :, None], 1)
+        tot += tl.sum(w, 1)
+    return acc, tot
+
+
+@triton.jit
+def _combine_rows_kernel(PO, PL, SO, SL, OUT, LSE, ROT, HKV, M, N_AGENTS, R, NSP, NSS,
+                         D: tl.constexpr, BLOCK_R: tl.constexpr, SC: tl.constexpr,
+                         NTP: tl.constexpr, NTS: tl.constexpr, DC: tl.constexpr,
+                         HAS_S: tl.constexpr, UNROT: tl.constexpr,
+                         PDL: tl.constexpr = False):
+    """`_combine_kernel` for BLOCK_R output rows per program (program_id(0)) and DC output
+    columns (program_id(1)): the same merge (rows mapped the same way, splits read SC at a time
+    for all BLOCK_R rows: NTP / NTS tiles of the two passes), and with UNROT the rows go back to true space as one tensor-core
+    product per program, out[:, cols] = o @ ROT^T[:, cols] (ROT float32 [D, D], the per-group
+    rotation on the diagonal: `block_rotation`), at fp32 accuracy (3 x tf32). Many rows (a
+    cascade over many agents) read the rotation once per BLOCK_R rows instead of once per row
+    (H200, kernels_notes v17)."""
+    if PDL:
+        gdc_wait()
+    r = (tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)).to(tl.int64)
+    rmask = r < R
+    n = r // (HKV * M)
+    h = (r // M) % HKV
+    pr = (h * N_AGENTS + n) * M + r % M
+    m = _splits_tile_max(PL, pr, rmask, NSP, SC, NTP, tl.full([BLOCK_R], float("-inf"), tl.float32))
+    if HAS_S:
+        m = _splits_tile_max(SL, r, rmask, NSS, SC, NTS, m)
+    m_safe = tl.where(m == float("-inf"), 0.0, m)
+    acc, tot = _splits_tile_sum(PO, PL, pr, rmask, NSP, SC, NTP, m_safe, D,
+                                tl.zeros([BLOCK_R, D], tl.float32), tl.zeros([BLOCK_R], tl.float32))
+    if HAS_S:
+        acc, tot = _splits_tile_sum(SO, SL, r, rmask, NSS, SC, NTS, m_safe, D, acc, tot)
+    den = tl.where(tot > 0, tot, 1.0)
+    out = acc / den[:, None]
+    if UNROT:
+        d = tl.arange(0, D)
+        cols = tl.program_id(1) * DC + tl.arange(0, DC)
+        mt = tl.load(ROT + cols[None, :] * D + d[:, None])  # mt[i, j] = ROT[j, i]
+        out = tl.dot(out, mt, input_precision="tf32x3")
+    else:
+        cols = tl.arange(0, D)
+    tl.store(OUT + r[:, None] * D + cols[None, :], out.to(OUT.dtype.element_ty), mask=rmask[:, None])
+    if tl.program_id(1) == 0:
+        tl.store(LSE + r, tl.where(tot > 0, m_safe + tl.log(den), float("-inf")), mask=rmask)
+
+
+#: The combine's row-block kernel (`_combine_rows_kernel`) from this many output rows on (fewer:
+#: one program per row, `_combine_kernel`), BLOCK_R rows per program, D / COMBINE_COL_PROGRAMS
+#: output columns per program when it unrotates (H200 sweep: kernels_notes v17).
+COMBINE_BLOCK_MIN_ROWS = 512
+COMBINE_BLOCK_R = 16
+COMBINE_COL_PROGRAMS = 2
+COMBINE_TILE = 8192  # float32 elements of one [BLOCK_R, SC, D] tile of split outputs
+COMBINE_WARPS = 4
+
 #: Splits per [splits, G] tile of the combine (more are read in chunks of this many): 128 is the
 #: 64k decode's split count (one tile, as before chunking); a full-attention layer with one KV head
 #: plans up to 512 splits, whose single tile spilled (Gemma-3 shapes: 36 us per combine).
@@ -748,17 +828,28 @@ def combine_splits(parts: SplitParts, shape: tuple, v_codec, out_dtype: torch.dt
             return out, lse
     unrot = out_dtype is not None and getattr(v_codec, "rotated", False)
     rows = B * Hkv * M
+    nsp, nss = parts.n_splits, second.n_splits if second else 1
+    br = COMBINE_BLOCK_R
+    sc = max(1, COMBINE_TILE // (br * D))  # [BLOCK_R, SC, D] float32 tiles
+    if rows >= COMBINE_BLOCK_MIN_ROWS and D in (64, 128, 256) and cdiv(nsp, sc) + cdiv(nss, sc) <= 64:
+        # many rows (a cascade over many agents): BLOCK_R rows per program, the rotation read
+        # once per block and applied on the tensor cores; the split tiles unrolled (<= 64)
+        dc = D // COMBINE_COL_PROGRAMS if unrot else D
+        kernel, grid, counts = _combine_rows_kernel, (cdiv(rows, br), D // dc), (rows, nsp, nss)
+        rot = block_rotation(v_codec.group, D, dev) if unrot else placeholder(dev)
+        meta = dict(BLOCK_R=br, SC=sc, NTP=cdiv(nsp, sc), NTS=cdiv(nss, sc), DC=dc,
+                    num_warps=COMBINE_WARPS)
+    else:
+        kernel, grid, counts = _combine_kernel, (rows,), (nsp, nss)
+        rot = rotation_matrix(v_codec.group, dev) if unrot else placeholder(dev)
+        meta = dict(NSP_P2=min(COMBINE_CHUNK, next_pow2(nsp)), NSS_P2=min(COMBINE_CHUNK, next_pow2(nss)),
+                    NSP_CH=cdiv(nsp, COMBINE_CHUNK), NSS_CH=cdiv(nss, COMBINE_CHUNK),
+                    G=v_codec.group if unrot else D)
     if rows:
-        nss = second.n_splits if second else 1
         planned = cached_launch(
-            _combine_kernel, (rows,), parts.o, parts.lse, s.o, s.lse, out, lse,
-            rotation_matrix(v_codec.group, dev) if unrot else placeholder(dev),
-            *((Hkv, M, B) if heads_major else (1, 1, 1)), parts.n_splits, nss, D=D,
-            NSP_P2=min(COMBINE_CHUNK, next_pow2(parts.n_splits)),
-            NSS_P2=min(COMBINE_CHUNK, next_pow2(nss)),
-            NSP_CH=cdiv(parts.n_splits, COMBINE_CHUNK), NSS_CH=cdiv(nss, COMBINE_CHUNK),
-            G=v_codec.group if unrot else D, HAS_S=second is not None, UNROT=unrot,
-            **({"PDL": True, "launch_pdl": True} if pdl_ok(dev) else {}),
+            kernel, grid, parts.o, parts.lse, s.o, s.lse, out, lse, rot,
+            *((Hkv, M, B) if heads_major else (1, 1, 1)), *counts, D=D, HAS_S=second is not None,
+            UNROT=unrot, **meta, **({"PDL": True, "launch_pdl": True} if pdl_ok(dev) else {}),
             plan=6 if plan_key is not None else 0)
         if planned is not None:
             _remember(plan_key, planned)
