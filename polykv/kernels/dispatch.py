@@ -18,7 +18,7 @@ import os
 
 import torch
 
-from ..codecs import Packed
+from ..codecs import Packed, get_codec
 from . import reference as ref
 from .reference import as_codec
 
@@ -372,6 +372,29 @@ def quantize_into(dst: Packed, x: torch.Tensor, codec, positions, *,
     dst.codes[bi, :, pos] = pk.codes.permute(0, 2, 1, 3).to(dst.codes.dtype)
     if dst.scales is not None:
         dst.scales[bi, :, pos] = pk.scales.permute(0, 2, 1, 3)
+
+
+def ring_step(ring_k: Packed, ring_v: Packed, k: torch.Tensor, v: torch.Tensor, rows: torch.Tensor,
+              seg_rows: torch.Tensor, real: torch.Tensor) -> tuple[Packed, Packed]:
+    """One decode / verify step of a q8_0 recent window (`reference.ring_step_ref` defines it):
+    stores k, v [G, Hkv, n_q, D] at ring rows `rows` [G, n_q] and returns the segment of ring rows
+    `seg_rows` [G, W] as (k, v) q8_0 Packed leading [G, Hkv, W] — on the Triton path one launch
+    (`triton_ring`), where the torch ops take about fourteen."""
+    G, H, _, D = k.shape
+    codec = get_codec("q8_0", D)
+    shape = (G, H, seg_rows.shape[1])
+    # every row is written: no zero fill (two memsets per tensor in a captured step)
+    seg_k, seg_v = (Packed(torch.empty(*shape, codec.code_bytes, dtype=codec.code_dtype, device=k.device),
+                           torch.empty(*shape, codec.n_scales, dtype=torch.float16, device=k.device))
+                    for _ in range(2))
+    if use_triton(k, ring_k.codes):
+        _k()
+        from .triton_ring import ring_step_triton
+
+        ring_step_triton(ring_k, ring_v, k, v, rows, seg_rows, real, seg_k, seg_v)
+    else:
+        ref.ring_step_ref(ring_k, ring_v, k, v, rows, seg_rows, real, seg_k, seg_v)
+    return seg_k, seg_v
 
 
 def dequantize(p: Packed, codec, dtype: torch.dtype = torch.float16, *,

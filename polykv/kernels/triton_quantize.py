@@ -42,6 +42,24 @@ def _rne(x):
 
 
 @triton.jit
+def q8_0_rows(x):
+    """q8_0 of float32 rows x [BT, D]: (codes int8 [BT, D], block scales fp16 [BT, D // 32]),
+    bit for bit the torch codec's (IEEE divisions, round half to even)."""
+    BT: tl.constexpr = x.shape[0]
+    D: tl.constexpr = x.shape[1]
+    NB: tl.constexpr = D // 32
+    x3 = tl.reshape(x, [BT, NB, 32])
+    amax = tl.max(tl.abs(x3), 2)
+    d16 = tl.math.div_rn(amax, tl.full([BT, NB], 127.0, tl.float32)).to(tl.float16)
+    df = d16.to(tl.float32)
+    inv = tl.where(df > 0, tl.math.div_rn(tl.full([BT, NB], 1.0, tl.float32), tl.where(df > 0, df, 1.0)),
+                   0.0)
+    q = _rne(x3 * inv[:, :, None])
+    q = tl.minimum(tl.maximum(q, -127.0), 127.0).to(tl.int32).to(tl.int8)
+    return tl.reshape(q, [BT, D]), d16
+
+
+@triton.jit
 def _turbo_index(u, BOUNDS, CENT, BITS: tl.constexpr):
     """Lloyd-Max index of u [BT, G] (torch.bucketize(u, bounds): #(bounds < u)) and the per-row
     sum of the squared centroids of those indices [BT]. Up to 4 bits the codebook is symmetric
@@ -148,15 +166,8 @@ def _quantize_kernel(X, POS, SCL, CODES, SCALES, ROT, CENT, BOUNDS,
                 x3 = tl.reshape(x, [BLOCK_T, NB, 32])
                 jb = tl.arange(0, NB)
                 if KIND == 1:
-                    amax = tl.max(tl.abs(x3), 2)
-                    d16 = tl.math.div_rn(amax, tl.full([BLOCK_T, NB], 127.0, tl.float32))
-                    d16 = d16.to(tl.float16)
-                    df = d16.to(tl.float32)
-                    inv = tl.where(df > 0, tl.math.div_rn(tl.full([BLOCK_T, NB], 1.0, tl.float32),
-                                                          tl.where(df > 0, df, 1.0)), 0.0)
-                    q = _rne(x3 * inv[:, :, None])
-                    q = tl.minimum(tl.maximum(q, -127.0), 127.0).to(tl.int32).to(tl.int8)
-                    tl.store(CODES + crow[:, None] + d[None, :], tl.reshape(q, [BLOCK_T, D]), mask=m2)
+                    q, d16 = q8_0_rows(x)
+                    tl.store(CODES + crow[:, None] + d[None, :], q, mask=m2)
                 else:
                     ax = tl.abs(x3)
                     pos_m = tl.argmax(ax, 2, tie_break_left=True)

@@ -160,17 +160,16 @@ class AgentRings:
             if memo is not None:
                 memo[key] = idx
         cols, gather_rows, col, rows, kv_start = idx
+        if R - 1 + n_q <= C:
+            # the segment's positions are distinct rows of the ring and every real column is kept
+            # (n_q <= spare + 1: a decode or verify step): store, and read the segment as the
+            # ring then holds it — one launch on the kernels (`dispatch.ring_step`)
+            seg_k, seg_v = dispatch.ring_step(lay.k, lay.v, k, v, rows, gather_rows, real.to(dev))
+            return seg_k, seg_v, kv_start
         enc_k = lay.codec.empty((G, lay.kv_heads, n_q), dev)
         enc_v = lay.codec.empty((G, lay.kv_heads, n_q), dev)
         dispatch.quantize_into(enc_k, k, lay.codec, cols)
         dispatch.quantize_into(enc_v, v, lay.codec, cols)
-        if R - 1 + n_q <= C:
-            # the segment's positions are distinct rows of the ring and every real column is kept
-            # (n_q <= spare + 1: a decode or verify step), so store first and read the segment
-            # back: the padded columns' rows are untouched, the real ones hold the new rows
-            lay.scatter(rows, enc_k, enc_v)
-            seg_k, seg_v = lay.gather(gather_rows)
-            return seg_k, seg_v, kv_start
         old_k, old_v = lay.gather(gather_rows)  # before this forward's writes (a long prompt)
 
         def seg(old: Packed, enc: Packed) -> Packed:

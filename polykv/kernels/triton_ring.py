@@ -1,0 +1,96 @@
+"""One decode or verify step of the agents' recent windows (polykv.pool.ring) in one launch.
+
+The step stores the forward's new K/V rows into the q8_0 ring and returns the window segment the
+attention reads (`reference.ring_step_ref` is the torch definition). In torch that is two
+quantize launches, a scatter and a gather of four tensors: about fourteen kernels per layer and
+step, each a few µs of a captured step (H200: a window of 8 rows cost +0.26 ms per 4-layer step at
+32 agents, kernels_notes v17). Here one program per (agent, KV head) copies the segment's older
+rows from the ring, encodes the new rows (bit for bit `quantize_into`'s q8_0: `q8_0_rows`) and
+writes them to the ring and to the segment.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from ..codecs import Packed
+from .launch import launch as cached_launch
+from .triton_codec import next_pow2
+from .triton_quantize import q8_0_rows
+
+
+@triton.jit
+def _copy_rows(SRC, DST, src_row, dst_row, mask, COLS: tl.constexpr):
+    """rows src_row [N] of SRC [*, COLS] to rows dst_row [N] of DST [*, COLS] where mask."""
+    c = tl.arange(0, COLS)
+    x = tl.load(SRC + src_row[:, None] * COLS + c[None, :], mask=mask[:, None])
+    tl.store(DST + dst_row[:, None] * COLS + c[None, :], x, mask=mask[:, None])
+
+
+@triton.jit
+def _encode_rows(X, x_row, jmask, RC, RS, ring_row, SC, SS, seg_row, real, D: tl.constexpr):
+    """rows x_row [NQP] of X (true space, last dim contiguous) as q8_0 to the ring rows ring_row
+    (every column: padded ones go to the scratch row) and to the segment rows seg_row where real."""
+    NB: tl.constexpr = D // 32
+    d = tl.arange(0, D)
+    jb = tl.arange(0, NB)
+    q, d16 = q8_0_rows(tl.load(X + x_row[:, None] + d[None, :], mask=jmask[:, None], other=0.0)
+                       .to(tl.float32))
+    tl.store(RC + ring_row[:, None] * D + d[None, :], q, mask=jmask[:, None])
+    tl.store(RS + ring_row[:, None] * NB + jb[None, :], d16, mask=jmask[:, None])
+    tl.store(SC + seg_row[:, None] * D + d[None, :], q, mask=real[:, None])
+    tl.store(SS + seg_row[:, None] * NB + jb[None, :], d16, mask=real[:, None])
+
+
+@triton.jit
+def _ring_step_kernel(K, V, ROWS, SEG_ROWS, REAL, RKC, RKS, RVC, RVS, SKC, SKS, SVC, SVS,
+                      skg, skh, skt, svg, svh, svt, HKV, RING_ROWS, NQ, W,
+                      D: tl.constexpr, NQP: tl.constexpr, WP: tl.constexpr):
+    # program (g, h): agent g's KV head h. Ring [HKV, RING_ROWS, *]; segment [G, HKV, W, *].
+    pid = tl.program_id(0)
+    g = (pid // HKV).to(tl.int64)
+    h = (pid % HKV).to(tl.int64)
+    NB: tl.constexpr = D // 32
+    ring0 = h * RING_ROWS
+    seg0 = (g * HKV + h) * W
+    # the segment's rows that are not new real columns: from the ring, untouched by this step
+    # (the W positions are distinct ring rows: the caller's condition R - 1 + n_q <= C)
+    i = tl.arange(0, WP)
+    j_of_i = i - (W - NQ)
+    new_i = (j_of_i >= 0) & (i < W)
+    real_i = tl.load(REAL + g * NQ + j_of_i, mask=new_i, other=0) != 0
+    old = (i < W) & ~(new_i & real_i)
+    src = ring0 + tl.load(SEG_ROWS + g * W + i, mask=i < W, other=0)
+    _copy_rows(RKC, SKC, src, seg0 + i, old, D)
+    _copy_rows(RKS, SKS, src, seg0 + i, old, NB)
+    _copy_rows(RVC, SVC, src, seg0 + i, old, D)
+    _copy_rows(RVS, SVS, src, seg0 + i, old, NB)
+    # the new columns: encoded once, stored to the ring (scratch row where not kept) and the segment
+    j = tl.arange(0, NQP)
+    jmask = j < NQ
+    real = (tl.load(REAL + g * NQ + j, mask=jmask, other=0) != 0) & jmask
+    ring_row = ring0 + tl.load(ROWS + g * NQ + j, mask=jmask, other=0)
+    seg_row = seg0 + W - NQ + j
+    _encode_rows(K, g * skg + h * skh + j * skt, jmask, RKC, RKS, ring_row, SKC, SKS, seg_row, real, D)
+    _encode_rows(V, g * svg + h * svh + j * svt, jmask, RVC, RVS, ring_row, SVC, SVS, seg_row, real, D)
+
+
+def ring_step_triton(ring_k: Packed, ring_v: Packed, k: torch.Tensor, v: torch.Tensor,
+                     rows: torch.Tensor, seg_rows: torch.Tensor, real: torch.Tensor,
+                     seg_k: Packed, seg_v: Packed) -> None:
+    """See `reference.ring_step_ref` (the same arguments and effects, bit for bit): ring_k / ring_v
+    q8_0 Packed leading [Hkv, ring_rows] (contiguous); k, v [G, Hkv, n_q, D] (last dim contiguous);
+    rows int64 [G, n_q]; seg_rows int64 [G, W]; real bool [G, n_q]; seg_k / seg_v q8_0 Packed leading
+    [G, Hkv, W] (contiguous), written."""
+    G, H, NQ, D = k.shape
+    W = seg_rows.shape[1]
+    if k.stride(-1) != 1 or v.stride(-1) != 1:
+        raise ValueError("k and v must be contiguous in the last dim")
+    if G * H:
+        cached_launch(_ring_step_kernel, (G * H,), k, v, rows.contiguous(), seg_rows.contiguous(),
+                      real.contiguous(), ring_k.codes, ring_k.scales, ring_v.codes, ring_v.scales,
+                      seg_k.codes, seg_k.scales, seg_v.codes, seg_v.scales, k.stride(0), k.stride(1),
+                      k.stride(2), v.stride(0), v.stride(1), v.stride(2), H, ring_k.codes.shape[1],
+                      NQ, W, D=D, NQP=next_pow2(NQ), WP=next_pow2(W))

@@ -1,0 +1,59 @@
+"""A recent window's step in one launch (`triton_ring`, `dispatch.ring_step`) through the Triton
+interpreter against `reference.ring_step_ref`, bit for bit: the ring after the store and the
+segment, for decode and verify steps, padded columns (written to the scratch row, not to the
+segment), agents shorter than the window, fp16 and float32 rows, strided k."""
+
+import pytest
+import torch
+
+from polykv.codecs import Packed, get_codec
+from polykv.kernels import triton_available
+from polykv.kernels.reference import ring_step_ref
+from polykv.pool.ring import AgentRings
+
+pytestmark = pytest.mark.skipif(not triton_available(), reason="triton not installed")
+
+
+@pytest.fixture(autouse=True)
+def _interpreter(interpreter):
+    """Every test of this module through the interpreter (conftest.interpreter)."""
+
+
+def _ring(g, H: int, rows: int, D: int) -> Packed:
+    codes = torch.randint(-127, 128, (H, rows, D), generator=g, dtype=torch.int8)
+    return Packed(codes, (torch.rand(H, rows, D // 32, generator=g) + 0.1).half())
+
+
+def _clone(p: Packed) -> Packed:
+    return Packed(p.codes.clone(), p.scales.clone())
+
+
+@pytest.mark.parametrize("n_q,R,spare,dtype", [(1, 8, 0, torch.float16), (3, 4, 2, torch.float32),
+                                               (1, 1, 0, torch.float16), (4, 5, 3, torch.float16)])
+def test_ring_step_matches_reference(n_q, R, spare, dtype):
+    from polykv.kernels import dispatch
+
+    g = torch.Generator().manual_seed(n_q * 10 + R)
+    G, H, D, C = 4, 2, 64, R + spare
+    scratch = G * C
+    slots = torch.tensor([2, 0, 3, 1])
+    lens = torch.tensor([n_q + 9, n_q, n_q + 2 * C + 1, n_q + 1])  # one agent shorter than R
+    real = torch.ones(G, n_q, dtype=torch.bool)
+    real[3, : n_q - 1] = False  # a left-padded agent (its first columns are not written)
+    if n_q == 1:
+        real[1] = False  # a padding row of the bucket
+    _, seg_rows, _, rows, _ = AgentRings._indices(slots, lens, real, n_q, R, C, scratch, "cpu")
+    k = (torch.randn(G, H, n_q, 2 * D, generator=g) * 3).to(dtype)[..., :D]  # strided rows
+    v = (torch.randn(G, H, n_q, D, generator=g) * 3).to(dtype)
+    ring_k, ring_v = _ring(g, H, scratch + 1, D), _ring(g, H, scratch + 1, D)
+    want_k, want_v = _clone(ring_k), _clone(ring_v)
+    codec = get_codec("q8_0", D)
+    seg_want = [codec.empty((G, H, R - 1 + n_q)) for _ in range(2)]
+    ring_step_ref(want_k, want_v, k, v, rows, seg_rows, real, *seg_want)
+
+    seg_k, seg_v = dispatch.ring_step(ring_k, ring_v, k, v, rows, seg_rows, real)
+    for got, want in ((seg_k, seg_want[0]), (seg_v, seg_want[1]), (ring_k, want_k), (ring_v, want_v)):
+        # the scratch row holds whichever padded column landed last: not compared
+        keep = slice(None) if got.codes.dim() == 4 else slice(0, scratch)
+        assert torch.equal(got.codes[:, keep], want.codes[:, keep])
+        assert torch.equal(got.scales[:, keep], want.scales[:, keep])
