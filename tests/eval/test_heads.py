@@ -13,7 +13,8 @@ import torch
 from polykv.codecs import InnerQTable
 from polykv.eval.heads import HeadTypedKVCache, HeadTypes
 from polykv.hf.kv_cache import KVCache, model_layout
-from polykv.hf.precision import K_TYPES, V_TYPES, layer_bits, layer_weights, measure_sensitivity, ring_bits
+from polykv.hf.precision import (K_TYPES, V_TYPES, layer_bits, layer_weights, load_precision, measure_sensitivity,
+                                 ring_bits)
 
 PREFIX = 96
 
@@ -137,6 +138,8 @@ def test_from_table_groups_heads_and_counts_bits(model, tmp_path):
                                             v_error=v_err[::2]), 3.0)
     with pytest.raises(ValueError):
         HeadTypes.parse(str(path))
+    with pytest.raises(ValueError, match="per-head"):  # a KVCache stores one type per layer
+        load_precision(model, path)
 
 
 def test_cli_head_types_field(tiny_dir, tiny, tmp_path):
