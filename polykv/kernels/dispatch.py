@@ -20,7 +20,7 @@ import torch
 
 from ..codecs import Packed, get_codec
 from . import reference as ref
-from .reference import as_codec
+from .reference import RecentSegment, as_codec
 
 _FORCE: bool | None = None
 
@@ -197,7 +197,8 @@ def cascade_attention(q: torch.Tensor, prefix_k: Packed | None, prefix_v: Packed
                       k_innerq: torch.Tensor | None = None,
                       suffix_pages: torch.Tensor | None = None, page_size: int = 0,
                       prefix_chunks=None, prefix_rows: int = 0, window: int | None = None,
-                      prefix_start: int = 0, prefix_end: int | None = None, **tune):
+                      prefix_start: int = 0, prefix_end: int | None = None,
+                      recent: RecentSegment | None = None, **tune):
     """q [N, Hq, n_q, D]: every agent sees the whole shared prefix (Packed leading [1, Hkv, P]) and
     its own suffix (Packed leading [N, Hkv, S_cap], suffix_lens [N], causal; 0 is legal).
     suffix_pages int32 [N, max_pages] with page_size: the suffix Packed is a page pool (leading
@@ -211,20 +212,33 @@ def cascade_attention(q: torch.Tensor, prefix_k: Packed | None, prefix_v: Packed
     its own included; prefix row i sits at position prefix_start + i and suffix row j at
     prefix_end + j (default prefix_end: prefix_start + P), so a query's window may reach back
     into the shared prefix (`_windowed_cascade`; not with prefix_chunks).
+    recent: a recent window's segment (`reference.RecentSegment`; full-attention layers, the
+    prefix whole) merged in by LSE — on the kernels a third split pass joined by the same combine
+    (polykv.pool.ring: the window and the cascade in one epilogue).
     Returns out [N, Hq, n_q, D] (q.dtype), lse float32 [N, Hq, n_q]."""
+    if recent is not None and (window is not None or prefix_chunks is not None):
+        raise ValueError("recent= joins a full-attention cascade over a whole prefix only")
     if not use_triton(q, suffix_k.codes, *(() if prefix_k is None else (prefix_k.codes,))):
         if suffix_pages is not None:
             suffix_k, suffix_v = (gather_pages(p, suffix_pages, page_size) for p in (suffix_k, suffix_v))
         if prefix_chunks is not None:
             parts = list(prefix_chunks)
             prefix_k, prefix_v = (Packed.cat([c[i] for c in parts]) for i in (0, 1))
-        return ref.cascade_attention_ref(q, prefix_k, prefix_v, suffix_k, suffix_v, suffix_lens,
-                                         k_codec, v_codec, sm_scale=sm_scale, k_innerq=k_innerq,
-                                         window=window, prefix_start=prefix_start,
-                                         prefix_end=prefix_end)
+        out, lse = ref.cascade_attention_ref(q, prefix_k, prefix_v, suffix_k, suffix_v, suffix_lens,
+                                             k_codec, v_codec, sm_scale=sm_scale, k_innerq=k_innerq,
+                                             window=window, prefix_start=prefix_start,
+                                             prefix_end=prefix_end)
+        if recent is None:
+            return out, lse
+        out_r, lse_r = ref.attention_decode_ref(q, recent.k, recent.v, recent.codec, recent.codec,
+                                                causal=True, sm_scale=sm_scale, window=recent.window,
+                                                kv_start=recent.kv_start)
+        return ref.merge_attention_ref(out, lse, out_r, lse_r)
     dec, cas = _k()[:2]
     N, Hq, n_q, D = q.shape
     hkv = suffix_k.codes.shape[1]
+    if recent is not None and _rotates_q(recent.codec, None):
+        raise ValueError("a recent segment's codec must read plain queries (q8_0)")
     if window is not None:
         if prefix_chunks is not None:
             raise ValueError("a windowed cascade takes the prefix whole (prefix_k / prefix_v), "
@@ -238,22 +252,30 @@ def cascade_attention(q: torch.Tensor, prefix_k: Packed | None, prefix_v: Packed
         key = _call_key(dec, "cascade", q, (prefix_k.codes, prefix_k.scales, prefix_v.codes,
                                              prefix_v.scales, suffix_k.codes, suffix_k.scales,
                                              suffix_v.codes, suffix_v.scales, suffix_lens,
-                                             suffix_pages, k_innerq),
-                        k_codec, v_codec, tune, page_size, sm_scale)
+                                             suffix_pages, k_innerq,
+                                             *((recent.k.codes, recent.k.scales, recent.v.codes,
+                                                recent.v.scales, recent.kv_start) if recent else ())),
+                        k_codec, v_codec, tune, page_size, sm_scale,
+                        recent and (dec._codec_key(recent.codec), recent.window))
         plan = dec._CALLS.get(key)
         if plan is not None:
             return plan(q, prefix_k, prefix_v, suffix_k, suffix_v, suffix_lens, k_innerq,
-                        suffix_pages)
+                        suffix_pages, recent)
     kc, vc = as_codec(k_codec, D), as_codec(v_codec, D)
     sm_scale = 1.0 / math.sqrt(D) if sm_scale is None else float(sm_scale)
     rec = [] if key is not None else None
     qp = _prep_q(q, kc, k_innerq, hkv, rec)
     tune.setdefault("prefix_max_split", PREFIX_CHUNK_ALIGN)
+    seg = None
+    if recent is not None:
+        seg = (_recent_rows(q, hkv), recent.k, recent.v, as_codec(recent.codec, D),
+               _full_lens(N, recent.k.codes.shape[2], q.device), int(recent.window),
+               cas.lens_i32(recent.kv_start, q.device))
     out, lse = cas.cascade_prepared(qp, n_q, prefix_k, prefix_v, suffix_k, suffix_v,
                                     suffix_lens.to(device=q.device), kc, vc, sm_scale=sm_scale,
                                     suffix_pages=suffix_pages, page_size=page_size,
                                     prefix_chunks=prefix_chunks, prefix_rows=prefix_rows,
-                                    out_dtype=q.dtype, rec=rec, **tune)
+                                    out_dtype=q.dtype, recent=seg, rec=rec, **tune)
     out, lse = out.reshape(N, Hq, n_q, D), lse.reshape(N, Hq, n_q)
     if key is not None and all(p is not None for p in rec):
         dec._remember(key, _CascadeCall(rec[0] if len(rec) == 2 else None, rec[-1],
@@ -310,6 +332,13 @@ def _windowed_cascade(q, prefix_k, prefix_v, suffix_k, suffix_v, suffix_lens, kc
                               out_shape=(N, Hq, n_q, D))
 
 
+def _recent_rows(q: torch.Tensor, hkv: int) -> torch.Tensor:
+    """q [N, Hq, n_q, D] as a recent segment's query rows [N, Hkv, group * n_q, D] (q8_0 keys:
+    plain queries, `_prep_q`'s view)."""
+    N, Hq, n_q, D = q.shape
+    return q.reshape(N, hkv, (Hq // hkv) * n_q, D).contiguous()
+
+
 class _CascadeCall:
     """A planned cascade call: the query preparation (turbo K; None: q viewed as rows) and the
     passes (`triton_cascade.CascadePasses`), one key for the whole call (issue F)."""
@@ -319,10 +348,16 @@ class _CascadeCall:
     def __init__(self, prep, passes, qp_shape: tuple, out_shape: tuple):
         self.prep, self.passes, self.qp_shape, self.out_shape = prep, passes, qp_shape, out_shape
 
-    def __call__(self, q, prefix_k, prefix_v, suffix_k, suffix_v, suffix_lens, s, suffix_pages):
+    def __call__(self, q, prefix_k, prefix_v, suffix_k, suffix_v, suffix_lens, s, suffix_pages,
+                 recent: RecentSegment | None = None):
         qp = _k()[0].planned_rows(self.prep, q, s, self.qp_shape)
+        seg = None
+        if recent is not None:
+            seg = (_recent_rows(q, self.qp_shape[1]), recent.k, recent.v,
+                   _full_lens(q.shape[0], recent.k.codes.shape[2], q.device),
+                   _k()[1].lens_i32(recent.kv_start, q.device))
         return self.passes(qp, prefix_k, prefix_v, suffix_k, suffix_v, suffix_lens, suffix_pages,
-                           self.out_shape)
+                           self.out_shape, recent=seg)
 
 
 def gather_pages(pool: Packed, table: torch.Tensor, page_size: int) -> Packed:

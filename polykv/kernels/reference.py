@@ -43,6 +43,7 @@ Cascade (`cascade_attention_ref`: N agents over one shared prefix, merged by LSE
 from __future__ import annotations
 
 import math
+from typing import NamedTuple
 
 import torch
 
@@ -157,6 +158,20 @@ def _softmax_av(scores: torch.Tensor, visible: torch.Tensor | None, v: torch.Ten
     safe = torch.where(torch.isfinite(lse), lse, torch.zeros_like(lse))
     p = torch.exp(scores - safe[..., None])  # exp(-inf) = 0
     return torch.einsum(eq, p, v), lse
+
+
+class RecentSegment(NamedTuple):
+    """A recent window's segment for `dispatch.cascade_attention(recent=)`: k, v Packed leading
+    [N, Hkv, W] in `codec` (q8_0: its queries need no preparation), read causally with `window`
+    (the window's R) and kv_start int32 [N] (rows before it are not keys) — what
+    `attention_decode_ref(q, k, v, codec, codec, causal=True, window=window, kv_start=kv_start)`
+    reads, merged by LSE with the cascade."""
+
+    k: Packed
+    v: Packed
+    codec: Codec
+    window: int
+    kv_start: torch.Tensor
 
 
 def merge_attention_ref(out_a: torch.Tensor, lse_a: torch.Tensor, out_b: torch.Tensor,

@@ -96,7 +96,7 @@ def cascade_prepared(qp: torch.Tensor, n_q: int, prefix_k: Packed | None, prefix
                      suffix_pages: torch.Tensor | None = None, page_size: int = 0,
                      prefix_chunks=None, prefix_rows: int = 0, prefix_max_split: int = 16384,
                      prefix_tune: dict | None = None, out_dtype: torch.dtype | None = None,
-                     rec: list | None = None, **kw):
+                     recent: tuple | None = None, rec: list | None = None, **kw):
     """qp float32 [N, Hkv, M, D] in K's storage domain. suffix_pages int32 [N, max_pages]: the
     suffixes are a page pool (see decode_prepared). prefix_chunks, prefix_rows: the prefix as an
     iterable of chunks (k, v, row0) of prefix_rows rows in all (prefix_k / prefix_v None), consumed
@@ -105,7 +105,11 @@ def cascade_prepared(qp: torch.Tensor, n_q: int, prefix_k: Packed | None, prefix
     powers of two of at most prefix_max_split rows, whole or chunked, so chunks that start at
     multiples of prefix_max_split always qualify. Returns (out, lse): out [N, Hkv, M, D] float32 in
     V's storage domain, or with out_dtype true space in that dtype; lse float32 [N, Hkv, M]
-    (`triton_decode.combine_splits`). kw tunes both passes, prefix_tune (over kw) the prefix pass alone.
+    (`triton_decode.combine_splits`). recent: a recent window's segment (qr, k, v, codec, lens,
+    window, kv_start) — query rows [N, Hkv, M, D] for its q8_0 keys, Packed leading [N, Hkv, W],
+    int32 [N] lengths (W) and kv_start — as a third split pass (causal, windowed) in true space,
+    joined by the same combine (needs out_dtype). kw tunes every pass, prefix_tune (over kw) the
+    prefix pass alone.
     rec: the call's plan (`CascadePasses`, None where a pass is not planned) is appended to it."""
     N, Hkv, M, D = qp.shape
     if prefix_chunks is None:
@@ -141,11 +145,17 @@ def cascade_prepared(qp: torch.Tensor, n_q: int, prefix_k: Packed | None, prefix
                               lens_i32(suffix_lens, qp.device), causal=True,
                               window=None, sm_scale=sm_scale, page_table=suffix_pages,
                               page_size=page_size, rec=sub, **kw)
+    third = None
+    if recent is not None:
+        qr, rk, rv, rc, rlens, rwin, rstart = recent
+        third = decode_parts(qr, n_q, rk, rv, rc, rc, rlens, causal=True, window=rwin,
+                             sm_scale=sm_scale, kv_start=rstart, rec=sub, **kw)
     out, lse = combine_splits(prefix, (N, Hkv, M, D), v_codec, out_dtype, second=suffix,
-                              heads_major=True, rec=sub)
+                              third=third, heads_major=True, rec=sub)
     if rec is not None:
         ok = all(p is not None for p in sub)
-        rec.append(CascadePasses.of(sub[0], sub[1] if suffix is not None else None, sub[-1],
+        rec.append(CascadePasses.of(sub[0], sub[1] if suffix is not None else None,
+                                    sub[-2] if third is not None else None, sub[-1],
                                     (N, Hkv, M, D), out_dtype, _prefix_lens(prefix_rows, qp.device))
                    if ok else None)
     return out, lse
@@ -153,10 +163,12 @@ def cascade_prepared(qp: torch.Tensor, n_q: int, prefix_k: Packed | None, prefix
 
 class CascadePasses(NamedTuple):
     """A cascade call's planned passes (`cascade_prepared`): the warp-specialised prefix pass,
-    the suffix pass (None: no suffix rows, no pass) and the combine."""
+    the suffix pass (None: no suffix rows, no pass), a recent window's segment pass (None: no
+    window) and the combine."""
 
     prefix: WsPlan
     suffix: _DecodePlan | None
+    recent: _DecodePlan | None
     combine: Planned
     shape: tuple  # qp's [N, Hkv, M, D]
     out_dtype: torch.dtype | None
@@ -164,24 +176,26 @@ class CascadePasses(NamedTuple):
     part_sizes: tuple  # float32 elements of each pass's (o, lse) partials, in one allocation
 
     @classmethod
-    def of(cls, prefix: WsPlan, suffix: "_DecodePlan | None", combine: Planned, shape: tuple,
-           out_dtype, prefix_lens: torch.Tensor) -> "CascadePasses":
+    def of(cls, prefix: WsPlan, suffix: "_DecodePlan | None", recent: "_DecodePlan | None",
+           combine: Planned, shape: tuple, out_dtype, prefix_lens: torch.Tensor) -> "CascadePasses":
         # each partial starts 64-byte aligned, as a fresh buffer would (the launches were
         # specialised on it)
-        sizes = tuple(-(-n // 16) * 16 for n in (prefix.o_numel, prefix.l_numel, *(
-            (suffix.o_numel, suffix.l_numel) if suffix is not None else ())))
+        sizes = tuple(-(-n // 16) * 16 for p in (prefix, suffix, recent) if p is not None
+                      for n in (p.o_numel, p.l_numel))
         if prefix_lens.is_cuda:
             side_stream(prefix_lens.device)  # made now, not inside a capture
-        return cls(prefix, suffix, combine, shape, out_dtype, prefix_lens, sizes)
+        return cls(prefix, suffix, recent, combine, shape, out_dtype, prefix_lens, sizes)
 
     def __call__(self, qp: torch.Tensor, prefix_k: Packed, prefix_v: Packed, suffix_k: Packed,
                  suffix_v: Packed, suffix_lens: torch.Tensor, suffix_pages: torch.Tensor | None,
-                 out_shape: tuple | None = None):
+                 out_shape: tuple | None = None, recent: tuple | None = None):
         """What `cascade_prepared` computes for these tensors (the same launches and values);
         out_shape: out [*out_shape] and lse [*out_shape[:-1]], the same rows (the caller's
-        [N, Hq, n_q, D]: no reshape per call). suffix_lens: any integer dtype and device."""
+        [N, Hq, n_q, D]: no reshape per call). suffix_lens: any integer dtype and device.
+        recent: (qr, k, v, lens, kv_start) of the planned segment pass (`cascade_prepared`'s
+        recent without codec and window), given exactly when the plan has one."""
         dev = qp.device
-        w, s = self.prefix, self.suffix
+        w, s, r = self.prefix, self.suffix, self.recent
         # the passes' partials in one allocation (host time: one allocator call, not four)
         sizes = self.part_sizes
         parts = torch.empty(sum(sizes), dtype=torch.float32, device=dev).split_with_sizes(sizes)
@@ -190,23 +204,27 @@ class CascadePasses(NamedTuple):
         # reads the other's output): its small programs run on the SMs the prefix pass leaves
         # free instead of after it (H200: kernels_notes v16). Eager calls stay on one stream — a
         # fork and a join cost host time, and an eager call is host-bound anyway.
-        fork = s is not None and dev.type == "cuda" and torch.cuda.is_current_stream_capturing()
+        fork = ((s is not None or r is not None) and dev.type == "cuda"
+                and torch.cuda.is_current_stream_capturing())
         if fork:
             main, side = torch.cuda.current_stream(dev), side_stream(dev)
             side.wait_stream(main)
         w.launch(qp, prefix_k.codes, prefix_k.scales, prefix_v.codes, prefix_v.scales,
                  self.prefix_lens, o_p, l_p)
-        o_s, l_s = o_p, l_p  # never read without a suffix pass
-        if s is not None:
-            with torch.cuda.stream(side) if fork else contextlib.nullcontext():
+        o_s, l_s = o_t, l_t = o_p, l_p  # never read without their passes
+        with torch.cuda.stream(side) if fork else contextlib.nullcontext():
+            if s is not None:
                 o_s, l_s, _ = s(qp, suffix_k, suffix_v, lens_i32(suffix_lens, dev),
-                                page_table=suffix_pages, parts=parts[2:])
-            if fork:
-                main.wait_stream(side)
+                                page_table=suffix_pages, parts=parts[2:4])
+            if r is not None:
+                qr, rk, rv, rlens, rstart = recent
+                o_t, l_t, _ = r(qr, rk, rv, rlens, kv_start=rstart, parts=parts[-2:])
+        if fork:
+            main.wait_stream(side)
         out_shape = out_shape or self.shape
         out = torch.empty(out_shape, dtype=self.out_dtype or torch.float32, device=dev)
         lse = torch.empty(out_shape[:-1], dtype=torch.float32, device=dev)
-        self.combine(o_p, l_p, o_s, l_s, out, lse)
+        self.combine(o_p, l_p, o_s, l_s, o_t, l_t, out, lse)
         return out, lse
 
 

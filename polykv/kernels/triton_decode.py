@@ -327,11 +327,11 @@ def _splits_sum(O, L, row, NS, NS_P2: tl.constexpr, NS_CH: tl.constexpr, m_safe,
 
 
 @triton.jit
-def _combine_kernel(PO, PL, SO, SL, OUT, LSE, ROT, HKV, M, N_AGENTS, NSP, NSS,
-                            D: tl.constexpr, NSP_P2: tl.constexpr, NSS_P2: tl.constexpr,
-                            G: tl.constexpr, HAS_S: tl.constexpr, UNROT: tl.constexpr,
-                            NSP_CH: tl.constexpr = 1, NSS_CH: tl.constexpr = 1,
-                            PDL: tl.constexpr = False):
+def _combine_kernel(PO, PL, SO, SL, TO, TL, OUT, LSE, ROT, HKV, M, N_AGENTS, NSP, NSS, NST,
+                    D: tl.constexpr, NSP_P2: tl.constexpr, NSS_P2: tl.constexpr,
+                    NST_P2: tl.constexpr, G: tl.constexpr, HAS_S: tl.constexpr,
+                    HAS_T: tl.constexpr, UNROT: tl.constexpr, NSP_CH: tl.constexpr = 1,
+                    NSS_CH: tl.constexpr = 1, NST_CH: tl.constexpr = 1, PDL: tl.constexpr = False):
     """Merge the splits of output row r (one program per row) by log-sum-exp: the splits of a
     first pass P (PO / PL), whose row for r = (n * HKV + h) * M + mm is (h * N_AGENTS + n) * M + mm
     (the cascade's prefix pass keeps all agents of a KV head side by side; HKV = 1 makes it r), and
@@ -339,8 +339,9 @@ def _combine_kernel(PO, PL, SO, SL, OUT, LSE, ROT, HKV, M, N_AGENTS, NSP, NSS,
     the outputs in [NSP_P2, G] / [NSS_P2, G] tiles (NSP_P2, NSS_P2: at most COMBINE_CHUNK splits
     per tile; NSP_CH / NSS_CH tiles, unrolled: a [splits, G] tile never outgrows the registers).
     With UNROT the row goes from V's storage domain back to true space (y_g = o_g @ M^T per group
-    of G, ROT = M float32 [G, G]); stored in OUT's dtype: the whole epilogue of a decode or cascade
-    call in one launch. PDL: launched as a programmatic dependent of the split pass (`pdl_ok`), so
+    of G, ROT = M float32 [G, G]); with HAS_T the splits of a third pass T (TO / TL, row r) over
+    other keys, already in true space (a recent window's q8_0 segment), join after that; stored
+    in OUT's dtype: the whole epilogue of a decode or cascade call in one launch. PDL: launched as a programmatic dependent of the split pass (`pdl_ok`), so
     it waits for that pass's results here."""
     if PDL:
         gdc_wait()
@@ -351,10 +352,14 @@ def _combine_kernel(PO, PL, SO, SL, OUT, LSE, ROT, HKV, M, N_AGENTS, NSP, NSS,
     m = _splits_max(PL, pr, NSP, NSP_P2, NSP_CH, float("-inf"))
     if HAS_S:
         m = _splits_max(SL, r, NSS, NSS_P2, NSS_CH, m)
+    if HAS_T:
+        m = _splits_max(TL, r, NST, NST_P2, NST_CH, m)
     m_safe = tl.where(m == float("-inf"), 0.0, m)
     tot = _splits_weight(PL, pr, NSP, NSP_P2, NSP_CH, m_safe)  # absent splits weigh 0
     if HAS_S:
         tot += _splits_weight(SL, r, NSS, NSS_P2, NSS_CH, m_safe)
+    if HAS_T:
+        tot += _splits_weight(TL, r, NST, NST_P2, NST_CH, m_safe)
     den = tl.where(tot > 0, tot, 1.0)
     gi = tl.arange(0, G)
     if UNROT:
@@ -367,6 +372,9 @@ def _combine_kernel(PO, PL, SO, SL, OUT, LSE, ROT, HKV, M, N_AGENTS, NSP, NSS,
         out = acc / den
         if UNROT:  # true space: y_g = o_g @ M^T, per rotation group
             out = tl.sum(out[:, None] * mt, 0)
+        if HAS_T:
+            out += _splits_sum(TO, TL, r, NST, NST_P2, NST_CH, m_safe, d, D,
+                               tl.zeros([G], tl.float32)) / den
         tl.store(OUT + r * D + d, out.to(OUT.dtype.element_ty))
     tl.store(LSE + r, tl.where(tot > 0, m_safe + tl.log(den), float("-inf")))
 
@@ -383,13 +391,12 @@ def _splits_tile_max(L, prow, rmask, NS, SC: tl.constexpr, NT: tl.constexpr, m):
 
 
 @triton.jit
-def _splits_tile_sum(O, L, prow, rmask, NS, SC: tl.constexpr, NT: tl.constexpr, m_safe,
+def _splits_tile_sum(O, L, prow, rmask, NS, SC: tl.constexpr, NT: tl.constexpr, m_safe, d,
                      D: tl.constexpr, acc, tot):
-    """(acc + rows prow's NS split outputs weighted by exp(lse - m_safe), tot + those weights):
-    NT [BLOCK_R, SC, D] tiles of O float32 [rows * NS, D], unrolled (every tile's loads in flight
-    at once)."""
+    """(acc + columns d of rows prow's NS split outputs weighted by exp(lse - m_safe), tot + those
+    weights): NT [BLOCK_R, SC, len(d)] tiles of O float32 [rows * NS, D], unrolled (every tile's
+    loads in flight at once)."""
     s = tl.arange(0, SC)
-    d = tl.arange(0, D)
     for c in tl.static_range(0, NT * SC, SC):
         mask = rmask[:, None] & (c + s < NS)[None, :]
         split = prow[:, None] * NS + c + s[None, :]
@@ -401,14 +408,15 @@ def _splits_tile_sum(O, L, prow, rmask, NS, SC: tl.constexpr, NT: tl.constexpr, 
 
 
 @triton.jit
-def _combine_rows_kernel(PO, PL, SO, SL, OUT, LSE, ROT, HKV, M, N_AGENTS, R, NSP, NSS,
+def _combine_rows_kernel(PO, PL, SO, SL, TO, TL, OUT, LSE, ROT, HKV, M, N_AGENTS, R, NSP, NSS, NST,
                          D: tl.constexpr, BLOCK_R: tl.constexpr, SC: tl.constexpr,
-                         NTP: tl.constexpr, NTS: tl.constexpr, DC: tl.constexpr,
-                         HAS_S: tl.constexpr, UNROT: tl.constexpr,
+                         NTP: tl.constexpr, NTS: tl.constexpr, NTT: tl.constexpr,
+                         DC: tl.constexpr, HAS_S: tl.constexpr, HAS_T: tl.constexpr,
+                         UNROT: tl.constexpr,
                          PDL: tl.constexpr = False):
     """`_combine_kernel` for BLOCK_R output rows per program (program_id(0)) and DC output
     columns (program_id(1)): the same merge (rows mapped the same way, splits read SC at a time
-    for all BLOCK_R rows: NTP / NTS tiles of the two passes), and with UNROT the rows go back to true space as one tensor-core
+    for all BLOCK_R rows: NTP / NTS / NTT tiles of the three passes), and with UNROT the rows go back to true space as one tensor-core
     product per program, out[:, cols] = o @ ROT^T[:, cols] (ROT float32 [D, D], the per-group
     rotation on the diagonal: `block_rotation`), at fp32 accuracy (3 x tf32). Many rows (a
     cascade over many agents) read the rotation once per BLOCK_R rows instead of once per row
@@ -423,20 +431,25 @@ def _combine_rows_kernel(PO, PL, SO, SL, OUT, LSE, ROT, HKV, M, N_AGENTS, R, NSP
     m = _splits_tile_max(PL, pr, rmask, NSP, SC, NTP, tl.full([BLOCK_R], float("-inf"), tl.float32))
     if HAS_S:
         m = _splits_tile_max(SL, r, rmask, NSS, SC, NTS, m)
+    if HAS_T:
+        m = _splits_tile_max(TL, r, rmask, NST, SC, NTT, m)
     m_safe = tl.where(m == float("-inf"), 0.0, m)
-    acc, tot = _splits_tile_sum(PO, PL, pr, rmask, NSP, SC, NTP, m_safe, D,
+    d = tl.arange(0, D)
+    cols = tl.program_id(1) * DC + tl.arange(0, DC)  # the output columns this program writes
+    acc, tot = _splits_tile_sum(PO, PL, pr, rmask, NSP, SC, NTP, m_safe, d, D,
                                 tl.zeros([BLOCK_R, D], tl.float32), tl.zeros([BLOCK_R], tl.float32))
     if HAS_S:
-        acc, tot = _splits_tile_sum(SO, SL, r, rmask, NSS, SC, NTS, m_safe, D, acc, tot)
+        acc, tot = _splits_tile_sum(SO, SL, r, rmask, NSS, SC, NTS, m_safe, d, D, acc, tot)
+    if HAS_T:  # true space: only this program's columns, joined after the unrotation
+        acc_t, tot = _splits_tile_sum(TO, TL, r, rmask, NST, SC, NTT, m_safe, cols, D,
+                                      tl.zeros([BLOCK_R, DC], tl.float32), tot)
     den = tl.where(tot > 0, tot, 1.0)
     out = acc / den[:, None]
     if UNROT:
-        d = tl.arange(0, D)
-        cols = tl.program_id(1) * DC + tl.arange(0, DC)
         mt = tl.load(ROT + cols[None, :] * D + d[:, None])  # mt[i, j] = ROT[j, i]
         out = tl.dot(out, mt, input_precision="tf32x3")
-    else:
-        cols = tl.arange(0, D)
+    if HAS_T:
+        out += acc_t / den[:, None]
     tl.store(OUT + r[:, None] * D + cols[None, :], out.to(OUT.dtype.element_ty), mask=rmask[:, None])
     if tl.program_id(1) == 0:
         tl.store(LSE + r, tl.where(tot > 0, m_safe + tl.log(den), float("-inf")), mask=rmask)
@@ -800,57 +813,66 @@ def plan_split_len(S: int, groups: int, target: int, block_n: int, max_split: in
 
 
 def combine_splits(parts: SplitParts, shape: tuple, v_codec, out_dtype: torch.dtype | None = None,
-                   *, second: SplitParts | None = None, heads_major: bool = False,
-                   out_shape: tuple | None = None, rec: list | None = None):
+                   *, second: SplitParts | None = None, third: SplitParts | None = None,
+                   heads_major: bool = False, out_shape: tuple | None = None,
+                   rec: list | None = None):
     """Stage 2 in one launch: merge every split of `parts` (and of `second`, a second pass over
     other keys of the same rows) by log-sum-exp into out [*shape] = [B, Hkv, M, D] (float32, V's
     storage domain; with out_dtype: true space, that dtype) and lse float32 [B, Hkv, M].
     parts' rows are in shape's order, or with heads_major in [Hkv, B, M] order (the cascade's
     prefix pass: all agents of a KV head side by side); second's rows in shape's order.
+    third: a pass over yet other keys whose outputs are in true space already (a recent window's
+    q8_0 segment), rows in shape's order; needs true-space output (out_dtype) where V is rotated.
     out_shape: out allocated as [*out_shape] and lse as [*out_shape[:-1]] instead, the same
     row-major rows (the caller's [B, Hq, n_q, D]: no reshape per call). rec: the launch's plan
     (None where not planned) is appended to it."""
     B, Hkv, M, D = shape
     dev = parts.o.device
+    unrot = out_dtype is not None and getattr(v_codec, "rotated", False)
+    if third is not None and out_dtype is None and getattr(v_codec, "rotated", False):
+        raise ValueError("a true-space third pass needs true-space output (out_dtype)")
     out_shape = out_shape or shape
     out = torch.empty(out_shape, dtype=out_dtype or torch.float32, device=dev)
     lse = torch.empty(out_shape[:-1], dtype=torch.float32, device=dev)
-    s = second or parts  # never read without a second pass
+    s, t = second or parts, third or parts  # never read without their passes
     plan_key = None
     if _plannable(dev):  # parts, out, lse: fresh allocations (aligned)
-        plan_key = ("combine", dev.index, tuple(shape), tuple(out_shape), parts.n_splits, second and second.n_splits,
-                    _codec_key(v_codec), out_dtype, heads_major)
+        plan_key = ("combine", dev.index, tuple(shape), tuple(out_shape), parts.n_splits,
+                    second and second.n_splits, third and third.n_splits, _codec_key(v_codec),
+                    out_dtype, heads_major)
         planned = _PLANS.get(plan_key)
         if planned is not None:
-            planned(parts.o, parts.lse, s.o, s.lse, out, lse)
+            planned(parts.o, parts.lse, s.o, s.lse, t.o, t.lse, out, lse)
             if rec is not None:
                 rec.append(planned)
             return out, lse
-    unrot = out_dtype is not None and getattr(v_codec, "rotated", False)
     rows = B * Hkv * M
-    nsp, nss = parts.n_splits, second.n_splits if second else 1
+    nsp, nss, nst = parts.n_splits, second.n_splits if second else 1, third.n_splits if third else 1
     br = COMBINE_BLOCK_R
     sc = max(1, COMBINE_TILE // (br * D))  # [BLOCK_R, SC, D] float32 tiles
-    if rows >= COMBINE_BLOCK_MIN_ROWS and D in (64, 128, 256) and cdiv(nsp, sc) + cdiv(nss, sc) <= 64:
+    if (rows >= COMBINE_BLOCK_MIN_ROWS and D in (64, 128, 256)
+            and cdiv(nsp, sc) + cdiv(nss, sc) + cdiv(nst, sc) <= 64):
         # many rows (a cascade over many agents): BLOCK_R rows per program, the rotation read
         # once per block and applied on the tensor cores; the split tiles unrolled (<= 64)
         dc = D // COMBINE_COL_PROGRAMS if unrot else D
-        kernel, grid, counts = _combine_rows_kernel, (cdiv(rows, br), D // dc), (rows, nsp, nss)
+        kernel, grid, counts = _combine_rows_kernel, (cdiv(rows, br), D // dc), (rows, nsp, nss, nst)
         rot = block_rotation(v_codec.group, D, dev) if unrot else placeholder(dev)
-        meta = dict(BLOCK_R=br, SC=sc, NTP=cdiv(nsp, sc), NTS=cdiv(nss, sc), DC=dc,
-                    num_warps=COMBINE_WARPS)
+        meta = dict(BLOCK_R=br, SC=sc, NTP=cdiv(nsp, sc), NTS=cdiv(nss, sc), NTT=cdiv(nst, sc),
+                    DC=dc, num_warps=COMBINE_WARPS)
     else:
-        kernel, grid, counts = _combine_kernel, (rows,), (nsp, nss)
+        kernel, grid, counts = _combine_kernel, (rows,), (nsp, nss, nst)
         rot = rotation_matrix(v_codec.group, dev) if unrot else placeholder(dev)
-        meta = dict(NSP_P2=min(COMBINE_CHUNK, next_pow2(nsp)), NSS_P2=min(COMBINE_CHUNK, next_pow2(nss)),
-                    NSP_CH=cdiv(nsp, COMBINE_CHUNK), NSS_CH=cdiv(nss, COMBINE_CHUNK),
+        p2 = lambda n: min(COMBINE_CHUNK, next_pow2(n))  # noqa: E731
+        meta = dict(NSP_P2=p2(nsp), NSS_P2=p2(nss), NST_P2=p2(nst), NSP_CH=cdiv(nsp, COMBINE_CHUNK),
+                    NSS_CH=cdiv(nss, COMBINE_CHUNK), NST_CH=cdiv(nst, COMBINE_CHUNK),
                     G=v_codec.group if unrot else D)
     if rows:
         planned = cached_launch(
-            kernel, grid, parts.o, parts.lse, s.o, s.lse, out, lse, rot,
+            kernel, grid, parts.o, parts.lse, s.o, s.lse, t.o, t.lse, out, lse, rot,
             *((Hkv, M, B) if heads_major else (1, 1, 1)), *counts, D=D, HAS_S=second is not None,
-            UNROT=unrot, **meta, **({"PDL": True, "launch_pdl": True} if pdl_ok(dev) else {}),
-            plan=6 if plan_key is not None else 0)
+            HAS_T=third is not None, UNROT=unrot, **meta,
+            **({"PDL": True, "launch_pdl": True} if pdl_ok(dev) else {}),
+            plan=8 if plan_key is not None else 0)
         if planned is not None:
             _remember(plan_key, planned)
         if rec is not None:
@@ -970,7 +992,7 @@ class CallPlan(NamedTuple):
         parts = self.split(planned_rows(self.prep, q, s, self.qp_shape), k, v, lens, kv_start)
         out = torch.empty(self.out_shape, dtype=self.out_dtype, device=dev)
         lse = torch.empty(self.out_shape[:-1], dtype=torch.float32, device=dev)
-        self.combine(parts.o, parts.lse, parts.o, parts.lse, out, lse)
+        self.combine(parts.o, parts.lse, parts.o, parts.lse, parts.o, parts.lse, out, lse)
         return out, lse
 
 

@@ -29,6 +29,7 @@ from ..cache.layer import CompressedLayer
 from ..cache.pages import PagedRows, PageTable
 from ..codecs import Packed
 from ..hf.attention import activate
+from ..kernels.reference import RecentSegment
 from .attention import PrefixStreamer, cascade_attention, streamed_cascade_attention
 from .residency import HostLayer
 
@@ -354,8 +355,6 @@ class AgentCache(Cache):
         R, W = self.ring_recent[li], self.windows[li]
         seg_k, seg_v, seg_start = self._segments.pop(li)
         ring = self.rings.layers[li]
-        out_r, lse_r = dispatch.attention_decode(query, seg_k, seg_v, ring.codec, ring.codec, causal=True,
-                                                 sm_scale=scaling, window=R, kv_start=seg_start)
         sk, sv = self.store[li].pool()
         key = ("main", R)
         if key not in g.memo:
@@ -365,6 +364,15 @@ class AgentCache(Cache):
         P = self.pages.page_size
         common = dict(sm_scale=scaling, k_innerq=doc.key_scales, window=W, prefix_start=self.prefix_start[li],
                       prefix_end=self.doc_len, backend=self.backend)
+        if W is None and not self.streamed:
+            # the window's segment joins the cascade (on the kernels: a third pass of its combine)
+            out, _ = cascade_attention(query, doc.keys(), doc.values(), sk, sv, main, doc.k_codec,
+                                       doc.v_codec, suffix_pages=table, page_size=P, suffix_rows=g.seq,
+                                       recent=RecentSegment(seg_k, seg_v, ring.codec, R, seg_start),
+                                       **common)
+            return out.transpose(1, 2)
+        out_r, lse_r = dispatch.attention_decode(query, seg_k, seg_v, ring.codec, ring.codec, causal=True,
+                                                 sm_scale=scaling, window=R, kv_start=seg_start)
         # full layers: one cascade over the suffix rows older than the window (lengths L - R);
         # sliding layers: the prefix pass alone (suffix_rows=0 reads no suffix row, the real
         # lengths place the queries), the older suffix rows below

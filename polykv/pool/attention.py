@@ -16,7 +16,7 @@ import math
 import torch
 
 from ..codecs import Packed
-from ..kernels.reference import cascade_attention_ref, merge_attention_ref
+from ..kernels.reference import attention_decode_ref, cascade_attention_ref, merge_attention_ref
 
 _DISPATCH = None
 
@@ -36,7 +36,8 @@ def _dispatch_module():
 def cascade_attention(q, prefix_k, prefix_v, suffix_k, suffix_v, suffix_lens, k_codec, v_codec, *,
                       sm_scale=None, k_innerq=None, window=None, prefix_start=0, prefix_end=None,
                       backend: str = "auto", suffix_pages=None, page_size: int = 0,
-                      suffix_rows: int | None = None, prefix_chunks=None, prefix_rows: int = 0):
+                      suffix_rows: int | None = None, prefix_chunks=None, prefix_rows: int = 0,
+                      recent=None):
     """Cascade attention (reference.py's Conventions, Cascade) of q [N, Hq, n_q, D].
 
     Calls go to `dispatch.cascade_attention` when it would run a Triton kernel (CUDA tensors, or the
@@ -51,7 +52,10 @@ def cascade_attention(q, prefix_k, prefix_v, suffix_k, suffix_v, suffix_lens, k_
     prefix_chunks, prefix_rows (full-attention layers; prefix_k / prefix_v None): the prefix as an
     iterable of chunks (k, v, row0) of prefix_rows rows, consumed one at a time: the kernels
     compute the splits of the joined prefix chunk by chunk, the reference joins the chunks — the
-    values of the joined prefix, bit for bit (`dispatch.cascade_attention`)."""
+    values of the joined prefix, bit for bit (`dispatch.cascade_attention`).
+
+    recent (`kernels.reference.RecentSegment`; full-attention layers, prefix whole): a recent
+    window's segment merged in by LSE — on the kernels in the cascade's own combine."""
     mod = _dispatch_module() if backend in ("auto", "dispatch") else None
     if backend == "dispatch" and mod is None:
         raise RuntimeError("polykv.kernels.dispatch.cascade_attention is not available here")
@@ -64,7 +68,7 @@ def cascade_attention(q, prefix_k, prefix_v, suffix_k, suffix_v, suffix_lens, k_
                                      suffix_pages=suffix_pages, page_size=page_size,
                                      prefix_chunks=prefix_chunks, prefix_rows=prefix_rows,
                                      window=window, prefix_start=prefix_start,
-                                     prefix_end=prefix_end)
+                                     prefix_end=prefix_end, recent=recent)
     if prefix_chunks is not None:
         parts = list(prefix_chunks)
         prefix_k, prefix_v = (Packed.cat([c[i] for c in parts]) for i in (0, 1))
@@ -75,9 +79,14 @@ def cascade_attention(q, prefix_k, prefix_v, suffix_k, suffix_v, suffix_lens, k_
         n_pages = -(-rows // page_size)
         suffix_k, suffix_v = (gather_pages(p, suffix_pages[:, :n_pages], page_size).index(
             (slice(None), slice(None), slice(0, rows))) for p in (suffix_k, suffix_v))
-    return cascade_attention_ref(q, prefix_k, prefix_v, suffix_k, suffix_v, suffix_lens, k_codec,
-                                 v_codec, sm_scale=sm_scale, k_innerq=k_innerq, window=window,
-                                 prefix_start=prefix_start, prefix_end=prefix_end)
+    out, lse = cascade_attention_ref(q, prefix_k, prefix_v, suffix_k, suffix_v, suffix_lens, k_codec,
+                                     v_codec, sm_scale=sm_scale, k_innerq=k_innerq, window=window,
+                                     prefix_start=prefix_start, prefix_end=prefix_end)
+    if recent is None:
+        return out, lse
+    out_r, lse_r = attention_decode_ref(q, recent.k, recent.v, recent.codec, recent.codec, causal=True,
+                                        sm_scale=sm_scale, window=recent.window, kv_start=recent.kv_start)
+    return merge_attention_ref(out, lse, out_r, lse_r)
 
 
 def prefill_attention(q: torch.Tensor, hist_k: torch.Tensor, hist_v: torch.Tensor,

@@ -80,3 +80,35 @@ def test_combine_matches_merge(monkeypatch, block, D, B, Hkv, M, nsp, nss, heads
     fin = torch.isfinite(want_lse)
     torch.testing.assert_close(lse[fin].double(), want_lse[fin], rtol=0, atol=1e-5)
     torch.testing.assert_close(out.double(), want, rtol=0, atol=2e-3 if true_space else 1e-5)
+
+
+@pytest.mark.parametrize("block", [False, True])
+@pytest.mark.parametrize("D,heads_major,second", [(64, True, True), (128, False, False), (256, True, True)])
+def test_combine_joins_a_true_space_pass(monkeypatch, block, D, heads_major, second):
+    """A third pass already in true space (a recent window's segment) joins the merge after the
+    unrotation: the merge of all three, each in true space, and the same lse."""
+    from polykv.kernels import triton_decode as td
+
+    monkeypatch.setattr(td, "COMBINE_BLOCK_MIN_ROWS", 1 if block else 1 << 30)
+    g = torch.Generator().manual_seed(D)
+    B, Hkv, M = 3, 2, 4
+    rows = B * Hkv * M
+    first, third = _parts(g, rows, 6, D), _parts(g, rows, 1, D)
+    sec = _parts(g, rows, 3, D) if second else None
+    third.lse.view(-1)[:3] = float("-inf")  # rows the window does not reach
+    vc = get_codec("turbo3", D)
+    out, lse = td.combine_splits(first, (B, Hkv, M, D), vc, torch.float32, second=sec, third=third,
+                                 heads_major=heads_major)
+    rot = rotation_matrix(vc.group, "cpu").double()
+    # the storage-domain passes merged and unrotated, then merged with the third by lse
+    o12, l12 = _merge_ref(first, sec, B, Hkv, M, D, heads_major)
+    o12 = (o12.view(B, Hkv, M, D // vc.group, vc.group) @ rot.T).view(B, Hkv, M, D)
+    o3 = third.o.double().view(B, Hkv, M, D)
+    l3 = third.lse.double().view(B, Hkv, M)
+    m = torch.maximum(l12, l3)
+    w12, w3 = torch.exp(l12 - m), torch.exp(l3 - m)
+    want = (o12 * w12[..., None] + o3 * w3[..., None]) / (w12 + w3)[..., None]
+    torch.testing.assert_close(lse.double(), m + torch.log(w12 + w3), rtol=0, atol=1e-5)
+    torch.testing.assert_close(out.double(), want, rtol=0, atol=1e-4)
+    with pytest.raises(ValueError, match="true-space"):
+        td.combine_splits(first, (B, Hkv, M, D), vc, None, third=third)

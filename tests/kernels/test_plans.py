@@ -55,13 +55,13 @@ def test_repeated_decode_takes_its_plans_with_the_same_tensors(launches):
     out2, lse2 = dispatch.attention_decode(q2, kp, vp, kc, vc, kv_lens=lens2)
     assert len(launches) == 2  # no full path: both launches planned
     (t,), (c,) = dplan.calls, cplan.calls
-    assert len(t) == 13 and len(c) == 6
+    assert len(t) == 13 and len(c) == 8
     assert torch.equal(t[0], q2.reshape(2, 2, 4, 128))  # the query rows, this call's
     assert all(a is b for a, b in zip(t[1:7], dargs[1:7]))  # codes, factors, codebooks
     assert t[7] is lens2 and t[8] is lens2 and t[9] is dargs[9]  # lengths (no left padding), no pages
     assert t[10].shape == dargs[10].shape and t[11].shape == dargs[11].shape
-    assert c[0] is t[10] and c[1] is t[11] and c[2] is t[10] and c[3] is t[11]  # the combine reads them
-    assert c[4] is out2 and c[5] is lse2 and out2.shape == out1.shape == (2, 8, 1, 128)
+    assert all(c[i] is t[10] and c[i + 1] is t[11] for i in (0, 2, 4))  # the combine reads them
+    assert c[6] is out2 and c[7] is lse2 and out2.shape == out1.shape == (2, 8, 1, 128)
     # left padding, another capacity, int64 starts: new static arguments, the full path again
     start = torch.tensor([3, 0], dtype=torch.int32)
     dispatch.attention_decode(q2, kp, vp, kc, vc, kv_lens=lens2, kv_start=start)
@@ -111,7 +111,7 @@ def test_a_repeated_call_runs_its_call_plan_alone(launches, monkeypatch):
     (d,), (c,) = dplan.calls, cplan.calls
     assert torch.equal(d[0], q2.reshape(1, 2, 4, 128)) and d[1] is kp.codes and d[3] is vp.codes
     assert d[7] is dargs[7]  # the full-length kv_lens of (B, S)
-    assert c[0] is d[10] and c[1] is d[11] and c[4] is out2 and c[5] is lse2
+    assert c[0] is d[10] and c[1] is d[11] and c[6] is out2 and c[7] is lse2
     assert out2.shape == (1, 8, 1, 128) and lse2.shape == (1, 8, 1) and out2.dtype == q2.dtype
     with pytest.raises(AssertionError, match="decode_prepared"):  # another window: not this plan
         dispatch.attention_decode(q2, kp, vp, kc, vc, window=16)
@@ -153,7 +153,7 @@ def test_a_repeated_cascade_runs_its_call_plan(ws_launches, monkeypatch):
     assert w[5] is wargs[5] and w[6].shape == wargs[6].shape  # the prefix length, partials
     assert sp[0] is w[0] and sp[1] is sk.codes and torch.equal(sp[7], sl2) and sp[9] is sargs[9]
     assert c[0] is w[6] and c[1] is w[7] and c[2] is sp[10] and c[3] is sp[11]
-    assert c[4] is out and c[5] is lse and out.shape == (5, 8, 1, 128) and lse.shape == (5, 8, 1)
+    assert c[6] is out and c[7] is lse and out.shape == (5, 8, 1, 128) and lse.shape == (5, 8, 1)
     assert len(launches) == 3  # nothing took the launch path
     # the partials share one allocation; each starts 64-byte aligned, as the launches were keyed
     parts = (w[6], w[7], sp[10], sp[11])
@@ -180,3 +180,39 @@ def test_a_cascade_tuned_with_nested_dicts_is_planned(ws_launches):
     # other tuning, another call plan: the prefix pass launched anew (its split and combine
     # launches are unchanged: their own plans serve)
     assert [_name(e) for e in launches[3:]] == ["_ws_prefix_kernel"] and len(td._CALLS) == 2
+
+
+def test_a_cascade_with_a_recent_segment_plans_its_third_pass(ws_launches, monkeypatch):
+    """A cascade with a recent window's segment (`dispatch.cascade_attention(recent=)`): the
+    segment's split pass is a third planned pass whose partials the one combine reads; a
+    repeated call hands it this call's query rows, segment and starts."""
+    from polykv.kernels import triton_cascade
+    from polykv.kernels.reference import RecentSegment
+
+    launches = ws_launches
+    g = torch.Generator().manual_seed(5)
+    kc, vc, rc = get_codec("q8_0", 128), get_codec("turbo3", 128), get_codec("q8_0", 128)
+    pk, pv = kc.encode(torch.randn(1, 2, 128, 128, generator=g)), vc.encode(torch.randn(1, 2, 128, 128, generator=g))
+    sk, sv = kc.encode(torch.randn(3, 2, 16, 128, generator=g)), vc.encode(torch.randn(3, 2, 16, 128, generator=g))
+    sl = torch.tensor([16, 3, 0], dtype=torch.int32)
+
+    def seg():
+        return RecentSegment(rc.encode(torch.randn(3, 2, 8, 128, generator=g)),
+                             rc.encode(torch.randn(3, 2, 8, 128, generator=g)), rc, 8,
+                             torch.tensor([0, 4, 8], dtype=torch.int32))
+
+    q1, q2, r1, r2 = torch.randn(3, 8, 1, 128, generator=g), torch.randn(3, 8, 1, 128, generator=g), seg(), seg()
+    dispatch.cascade_attention(q1, pk, pv, sk, sv, sl, kc, vc, recent=r1)
+    assert [_name(e) for e in launches] == ["_ws_prefix_kernel", "_phase_decode_kernel",
+                                            "_phase_decode_kernel", "_combine_kernel"]
+    (_, wargs, wplan), (_, sargs, splan), (_, rargs, rplan), (_, cargs, cplan) = launches
+    assert rargs[1] is r1.k.codes and rargs[8] is r1.kv_start
+    monkeypatch.setattr(triton_cascade, "cascade_prepared", lambda *a, **k: 1 / 0)
+    out, lse = dispatch.cascade_attention(q2, pk, pv, sk, sv, sl, kc, vc, recent=r2)
+    (w,), (sp,), (rp,), (c,) = wplan.calls, splan.calls, rplan.calls, cplan.calls
+    assert torch.equal(rp[0], q2.reshape(3, 2, 4, 128)) and rp[1] is r2.k.codes and rp[3] is r2.v.codes
+    assert torch.equal(rp[7], torch.full((3,), 8)) and rp[8] is r2.kv_start
+    assert c[0] is w[6] and c[2] is sp[10] and c[4] is rp[10] and c[5] is rp[11]
+    assert c[6] is out and c[7] is lse and len(launches) == 4
+    with pytest.raises(ValueError, match="recent="):
+        dispatch.cascade_attention(q2, pk, pv, sk, sv, sl, kc, vc, recent=r2, window=16)
