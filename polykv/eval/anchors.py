@@ -113,11 +113,20 @@ class AnchoredKVCache(KVCache):
             v[:, :, idx] = xv.to(v.dtype)
             return k, v
 
-        store.decode_rows = anchored  # this call only (an instance attribute over the method)
-        try:
-            return super().attend(module, query, key, value, attention_mask, scaling=scaling, **kwargs)
-        finally:
-            del store.decode_rows
+        return attend_decoding(self, store, anchored, module, query, key, value, attention_mask,
+                               scaling=scaling, **kwargs)
+
+
+def attend_decoding(cache: KVCache, store, decode_rows, module, query, key, value, attention_mask,
+                    scaling=None, **kwargs):
+    """`KVCache.attend` of `cache` with the layer store's `decode_rows` replaced by `decode_rows` for
+    this call only (an instance attribute over the method, removed after): how the evaluation
+    caches change what attention reads without touching the stored rows."""
+    store.decode_rows = decode_rows
+    try:
+        return KVCache.attend(cache, module, query, key, value, attention_mask, scaling=scaling, **kwargs)
+    finally:
+        del store.decode_rows
 
 
 def anchored_bits(cache: AnchoredKVCache) -> dict:
@@ -140,4 +149,4 @@ def anchored_bits(cache: AnchoredKVCache) -> dict:
             "bits_per_value_anchored": anchored / values if values else None}
 
 
-__all__ = ["AnchoredKVCache", "Anchors", "anchor_rows", "anchored_bits"]
+__all__ = ["AnchoredKVCache", "Anchors", "anchor_rows", "anchored_bits", "attend_decoding"]

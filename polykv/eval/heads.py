@@ -28,6 +28,7 @@ from dataclasses import dataclass, field
 import torch
 
 from ..hf.kv_cache import KVCache, _fused_available
+from .anchors import attend_decoding
 
 
 @dataclass(frozen=True)
@@ -174,11 +175,8 @@ class HeadTypedKVCache(KVCache):
                 v[:, hs] = xv[:, hs].to(v.dtype)
             return k, v
 
-        store.decode_rows = mixed  # this call only (an instance attribute over the method)
-        try:
-            return super().attend(module, query, key, value, attention_mask, scaling=scaling, **kwargs)
-        finally:
-            del store.decode_rows
+        return attend_decoding(self, store, mixed, module, query, key, value, attention_mask,
+                               scaling=scaling, **kwargs)
 
 
 __all__ = ["HeadTypedKVCache", "HeadTypes"]
