@@ -224,16 +224,10 @@ def cascade_attention(q: torch.Tensor, prefix_k: Packed | None, prefix_v: Packed
         if prefix_chunks is not None:
             parts = list(prefix_chunks)
             prefix_k, prefix_v = (Packed.cat([c[i] for c in parts]) for i in (0, 1))
-        out, lse = ref.cascade_attention_ref(q, prefix_k, prefix_v, suffix_k, suffix_v, suffix_lens,
-                                             k_codec, v_codec, sm_scale=sm_scale, k_innerq=k_innerq,
-                                             window=window, prefix_start=prefix_start,
-                                             prefix_end=prefix_end)
-        if recent is None:
-            return out, lse
-        out_r, lse_r = ref.attention_decode_ref(q, recent.k, recent.v, recent.codec, recent.codec,
-                                                causal=True, sm_scale=sm_scale, window=recent.window,
-                                                kv_start=recent.kv_start)
-        return ref.merge_attention_ref(out, lse, out_r, lse_r)
+        return ref.cascade_attention_ref(q, prefix_k, prefix_v, suffix_k, suffix_v, suffix_lens,
+                                         k_codec, v_codec, sm_scale=sm_scale, k_innerq=k_innerq,
+                                         window=window, prefix_start=prefix_start,
+                                         prefix_end=prefix_end, recent=recent)
     dec, cas = _k()[:2]
     N, Hq, n_q, D = q.shape
     hkv = suffix_k.codes.shape[1]
@@ -268,7 +262,7 @@ def cascade_attention(q: torch.Tensor, prefix_k: Packed | None, prefix_v: Packed
     tune.setdefault("prefix_max_split", PREFIX_CHUNK_ALIGN)
     seg = None
     if recent is not None:
-        seg = (_recent_rows(q, hkv), recent.k, recent.v, as_codec(recent.codec, D),
+        seg = (_prep_q(q, recent.codec, None, hkv), recent.k, recent.v, as_codec(recent.codec, D),
                _full_lens(N, recent.k.codes.shape[2], q.device), int(recent.window),
                cas.lens_i32(recent.kv_start, q.device))
     out, lse = cas.cascade_prepared(qp, n_q, prefix_k, prefix_v, suffix_k, suffix_v,
@@ -332,13 +326,6 @@ def _windowed_cascade(q, prefix_k, prefix_v, suffix_k, suffix_v, suffix_lens, kc
                               out_shape=(N, Hq, n_q, D))
 
 
-def _recent_rows(q: torch.Tensor, hkv: int) -> torch.Tensor:
-    """q [N, Hq, n_q, D] as a recent segment's query rows [N, Hkv, group * n_q, D] (q8_0 keys:
-    plain queries, `_prep_q`'s view)."""
-    N, Hq, n_q, D = q.shape
-    return q.reshape(N, hkv, (Hq // hkv) * n_q, D).contiguous()
-
-
 class _CascadeCall:
     """A planned cascade call: the query preparation (turbo K; None: q viewed as rows) and the
     passes (`triton_cascade.CascadePasses`), one key for the whole call (issue F)."""
@@ -350,10 +337,11 @@ class _CascadeCall:
 
     def __call__(self, q, prefix_k, prefix_v, suffix_k, suffix_v, suffix_lens, s, suffix_pages,
                  recent: RecentSegment | None = None):
-        qp = _k()[0].planned_rows(self.prep, q, s, self.qp_shape)
+        dec = _k()[0]
+        qp = dec.planned_rows(self.prep, q, s, self.qp_shape)
         seg = None
-        if recent is not None:
-            seg = (_recent_rows(q, self.qp_shape[1]), recent.k, recent.v,
+        if recent is not None:  # its q8_0 keys read plain query rows (qp's shape)
+            seg = (dec.planned_rows(None, q, None, self.qp_shape), recent.k, recent.v,
                    _full_lens(q.shape[0], recent.k.codes.shape[2], q.device),
                    _k()[1].lens_i32(recent.kv_start, q.device))
         return self.passes(qp, prefix_k, prefix_v, suffix_k, suffix_v, suffix_lens, suffix_pages,

@@ -193,9 +193,19 @@ def cascade_attention_ref(q: torch.Tensor, prefix_k: Packed, prefix_v: Packed, s
                           suffix_v: Packed, suffix_lens: torch.Tensor, k_codec, v_codec, *,
                           sm_scale: float | None = None, k_innerq: torch.Tensor | None = None,
                           window: int | None = None, prefix_start: int = 0,
-                          prefix_end: int | None = None):
+                          prefix_end: int | None = None, recent: RecentSegment | None = None):
     """Every agent's queries against the shared prefix and its own suffix, merged by LSE (see
-    Conventions: Cascade). Returns out [N, Hq, n_q, D] (q.dtype), lse float32 [N, Hq, n_q]."""
+    Conventions: Cascade); with recent (a recent window's segment, `RecentSegment`) that segment's
+    attention merged in too. Returns out [N, Hq, n_q, D] (q.dtype), lse float32 [N, Hq, n_q]."""
+    if recent is not None:
+        out, lse = cascade_attention_ref(q, prefix_k, prefix_v, suffix_k, suffix_v, suffix_lens,
+                                         k_codec, v_codec, sm_scale=sm_scale, k_innerq=k_innerq,
+                                         window=window, prefix_start=prefix_start,
+                                         prefix_end=prefix_end)
+        out_r, lse_r = attention_decode_ref(q, recent.k, recent.v, recent.codec, recent.codec,
+                                            causal=True, sm_scale=sm_scale, window=recent.window,
+                                            kv_start=recent.kv_start)
+        return merge_attention_ref(out, lse, out_r, lse_r)
     N, Hq, n_q, D = q.shape
     kc, vc = as_codec(k_codec, D), as_codec(v_codec, D)
     Hkv, P = prefix_k.shape[1], prefix_k.shape[2]

@@ -16,7 +16,7 @@ import math
 import torch
 
 from ..codecs import Packed
-from ..kernels.reference import attention_decode_ref, cascade_attention_ref, merge_attention_ref
+from ..kernels.reference import cascade_attention_ref, merge_attention_ref
 
 _DISPATCH = None
 
@@ -79,14 +79,9 @@ def cascade_attention(q, prefix_k, prefix_v, suffix_k, suffix_v, suffix_lens, k_
         n_pages = -(-rows // page_size)
         suffix_k, suffix_v = (gather_pages(p, suffix_pages[:, :n_pages], page_size).index(
             (slice(None), slice(None), slice(0, rows))) for p in (suffix_k, suffix_v))
-    out, lse = cascade_attention_ref(q, prefix_k, prefix_v, suffix_k, suffix_v, suffix_lens, k_codec,
-                                     v_codec, sm_scale=sm_scale, k_innerq=k_innerq, window=window,
-                                     prefix_start=prefix_start, prefix_end=prefix_end)
-    if recent is None:
-        return out, lse
-    out_r, lse_r = attention_decode_ref(q, recent.k, recent.v, recent.codec, recent.codec, causal=True,
-                                        sm_scale=sm_scale, window=recent.window, kv_start=recent.kv_start)
-    return merge_attention_ref(out, lse, out_r, lse_r)
+    return cascade_attention_ref(q, prefix_k, prefix_v, suffix_k, suffix_v, suffix_lens, k_codec,
+                                 v_codec, sm_scale=sm_scale, k_innerq=k_innerq, window=window,
+                                 prefix_start=prefix_start, prefix_end=prefix_end, recent=recent)
 
 
 def prefill_attention(q: torch.Tensor, hist_k: torch.Tensor, hist_v: torch.Tensor,
