@@ -341,7 +341,8 @@ def _combine_kernel(PO, PL, SO, SL, TO, TL, OUT, LSE, ROT, HKV, M, N_AGENTS, NSP
     With UNROT the row goes from V's storage domain back to true space (y_g = o_g @ M^T per group
     of G, ROT = M float32 [G, G]); with HAS_T the splits of a third pass T (TO / TL, row r) over
     other keys, already in true space (a recent window's q8_0 segment), join after that; stored
-    in OUT's dtype: the whole epilogue of a decode or cascade call in one launch. PDL: launched as a programmatic dependent of the split pass (`pdl_ok`), so
+    in OUT's dtype: the whole epilogue of a decode or cascade call in one launch. PDL: launched
+    as a programmatic dependent of the split pass (`pdl_ok`), so
     it waits for that pass's results here."""
     if PDL:
         gdc_wait()
@@ -412,15 +413,14 @@ def _combine_rows_kernel(PO, PL, SO, SL, TO, TL, OUT, LSE, ROT, HKV, M, N_AGENTS
                          D: tl.constexpr, BLOCK_R: tl.constexpr, SC: tl.constexpr,
                          NTP: tl.constexpr, NTS: tl.constexpr, NTT: tl.constexpr,
                          DC: tl.constexpr, HAS_S: tl.constexpr, HAS_T: tl.constexpr,
-                         UNROT: tl.constexpr,
-                         PDL: tl.constexpr = False):
+                         UNROT: tl.constexpr, PDL: tl.constexpr = False):
     """`_combine_kernel` for BLOCK_R output rows per program (program_id(0)) and DC output
     columns (program_id(1)): the same merge (rows mapped the same way, splits read SC at a time
-    for all BLOCK_R rows: NTP / NTS / NTT tiles of the three passes), and with UNROT the rows go back to true space as one tensor-core
-    product per program, out[:, cols] = o @ ROT^T[:, cols] (ROT float32 [D, D], the per-group
-    rotation on the diagonal: `block_rotation`), at fp32 accuracy (3 x tf32). Many rows (a
-    cascade over many agents) read the rotation once per BLOCK_R rows instead of once per row
-    (H200, kernels_notes v17)."""
+    for all BLOCK_R rows: NTP / NTS / NTT tiles of the three passes), and with UNROT the rows go
+    back to true space as one tensor-core product per program, out[:, cols] = o @ ROT^T[:, cols]
+    (ROT float32 [D, D], the per-group rotation on the diagonal: `block_rotation`), at fp32
+    accuracy (3 x tf32). Many rows (a cascade over many agents) read the rotation once per
+    BLOCK_R rows instead of once per row (H200, kernels_notes v17)."""
     if PDL:
         gdc_wait()
     r = (tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)).to(tl.int64)
