@@ -84,6 +84,43 @@ def _head_fields(r: dict, ht, model, recent: int) -> None:
     r["precision"] = {"source": "head_types", "reason": "--head-types (simulated per-head types)"}
 
 
+OUTLIERS_HELP = ("simulate V outlier channels (measurement only, CPU materialize path; polykv/eval/outliers.py): "
+                 "'c=32,by=rms|mean_abs|var|first,FROM=HI/LO,...' — every layer whose V type is FROM ('all': "
+                 "every layer) holds C channels per KV head at HI and the rest at LO, channels chosen on "
+                 "calibration text; keeps the ring; adds the JSON field 'v_outliers'")
+
+
+def _outliers(spec: Optional[str], anc, ht):
+    if not spec:
+        return None
+    if anc is not None or ht is not None:
+        raise typer.BadParameter("--v-outliers, --head-types and --anchors are simulations: one at a time")
+    from .outliers import VOutliers
+
+    try:
+        return VOutliers.parse(spec)
+    except ValueError as e:
+        raise typer.BadParameter(str(e)) from None
+
+
+def _outliers_ready(vo, m, tok):
+    """The spec with its channels chosen on calibration text, and the context its run needs."""
+    import contextlib
+
+    if vo is None:
+        return None, contextlib.nullcontext()
+    from .outliers import attached
+
+    return vo.calibrated(m, tok), attached()
+
+
+def _outlier_fields(r: dict, vo, m, k, v, iq, ov, rec: int) -> None:
+    if vo is not None:
+        from .outliers import outlier_fields
+
+        outlier_fields(r, vo, m, k, v, iq, ov, rec)
+
+
 RECENT_HELP = ("recent window as storage: every layer's last N rows also held at q8_0 and read instead of "
                "the layer codec's copy (KVCache(recent=N)); default: the preset's (0 with explicit --k / --v)")
 
@@ -199,6 +236,7 @@ def ppl(preset: Optional[str] = typer.Option(None, "--preset", help=PRESET_HELP)
         precision: str = typer.Option("auto", "--precision", help=PRECISION_HELP),
         anchors: Optional[str] = typer.Option(None, "--anchors", help=ANCHORS_HELP + " (--method windows)"),
         head_types: Optional[str] = typer.Option(None, "--head-types", help=HEADS_HELP + " (--method windows)"),
+        v_outliers: Optional[str] = typer.Option(None, "--v-outliers", help=OUTLIERS_HELP + " (--method windows)"),
         recent: Optional[int] = typer.Option(None, "--recent", min=0, help=RECENT_HELP),
         chunk: int = typer.Option(64, "--chunk", min=1, help="tokens per forward in the scored half "
                                   "(--method windows; 1: token by token, as decoding feeds them)"),
@@ -221,22 +259,28 @@ def ppl(preset: Optional[str] = typer.Option(None, "--preset", help=PRESET_HELP)
     ht = _heads(head_types, anc)
     if ht is not None and method != "windows":
         raise typer.BadParameter("--head-types is measured with --method windows only")
+    vo = _outliers(v_outliers, anc, ht)
+    if vo is not None and method != "windows":
+        raise typer.BadParameter("--v-outliers is measured with --method windows only")
     rec = _recent(preset, k_arg, v_arg, recent, anc)
     if (chunk != 64 or skip_tokens) and method != "windows":
         raise typer.BadParameter("--chunk / --skip-tokens apply to --method windows only")
     m, tok = _load(model, threads, device)
     run = eval_ppl if method == "windows" else eval_prefill_score
     ov, info = preset_overrides(m, preset, k_arg, v_arg, precision, None if anc is not None else rec)
-    sim = anc if anc is not None else ht
+    vo, ctx_vo = _outliers_ready(vo, m, tok)
+    sim = anc if anc is not None else ht if ht is not None else vo
     extra = {"anchors": sim} if sim is not None else {}
     extra["recent"] = rec
     if method == "windows":
         extra.update(chunk=chunk, skip_tokens=skip_tokens)
-    r = run(m, tok, k, v, ctx, text=text, windows=windows, innerq=iq, keep_layers_q8=keep_layers_q8,
-            overrides=ov, **extra)
+    with ctx_vo:
+        r = run(m, tok, k, v, ctx, text=text, windows=windows, innerq=iq, keep_layers_q8=keep_layers_q8,
+                overrides=ov, **extra)
     r["preset"] = preset
     r["precision"] = info
     _head_fields(r, ht, m, rec)
+    _outlier_fields(r, vo, m, k, v, iq, ov, rec)
     _emit(r, as_json, lambda r: _kv_table(f"ppl K {k} / V {v} @ {ctx}", r,
                                           ["ppl", "ppl_ref", "delta_pct", "tokens", "windows", "recent",
                                            "kv_bytes", "kv_bytes_f16", "bytes_ratio", "bits_per_value", "kv_bytes_held", "kv_bytes_f16",
@@ -256,6 +300,7 @@ def equiv(preset: Optional[str] = typer.Option(None, "--preset", help=PRESET_HEL
           precision: str = typer.Option("auto", "--precision", help=PRECISION_HELP),
           anchors: Optional[str] = typer.Option(None, "--anchors", help=ANCHORS_HELP),
           head_types: Optional[str] = typer.Option(None, "--head-types", help=HEADS_HELP),
+          v_outliers: Optional[str] = typer.Option(None, "--v-outliers", help=OUTLIERS_HELP),
           recent: Optional[int] = typer.Option(None, "--recent", min=0, help=RECENT_HELP),
           details: bool = typer.Option(False, "--details", help="per-prompt answers and divergences (field: prompts)"),
           threads: Optional[int] = typer.Option(None, "--threads"),
@@ -268,18 +313,23 @@ def equiv(preset: Optional[str] = typer.Option(None, "--preset", help=PRESET_HEL
 
     anc = _anchors(anchors)
     ht = _heads(head_types, anc)
+    vo = _outliers(v_outliers, anc, ht)
     rec = _recent(preset, k_arg, v_arg, recent, anc)
     m, tok = _load(model, threads, device)
     from .common import load_prompts
 
     plist = load_prompts(prompts)[:limit] if limit else prompts
     ov, info = preset_overrides(m, preset, k_arg, v_arg, precision, None if anc is not None else rec)
-    r = eval_equiv(m, tok, k, v, prompts=plist, innerq=iq, keep_layers_q8=keep_layers_q8,
-                   max_new_tokens=max_new_tokens, overrides=ov, anchors=anc if anc is not None else ht,
-                   details=details, recent=rec)
+    vo, ctx_vo = _outliers_ready(vo, m, tok)
+    with ctx_vo:
+        r = eval_equiv(m, tok, k, v, prompts=plist, innerq=iq, keep_layers_q8=keep_layers_q8,
+                       max_new_tokens=max_new_tokens, overrides=ov,
+                       anchors=anc if anc is not None else ht if ht is not None else vo,
+                       details=details, recent=rec)
     r["preset"] = preset
     r["precision"] = info
     _head_fields(r, ht, m, rec)
+    _outlier_fields(r, vo, m, k, v, iq, ov, rec)
     _emit(r, as_json, lambda r: _kv_table(f"equiv K {k} / V {v}", r,
                                           ["verdict", "real_frac", "mean_tv", "p95_tv", "recall_mismatch", "n",
                                            "recall", "recall_ref", "seconds"]))
@@ -302,6 +352,7 @@ def ruler(task: str = typer.Option("niah", "--task", help="niah, vt or codes (ra
           precision: str = typer.Option("auto", "--precision", help=PRECISION_HELP),
           anchors: Optional[str] = typer.Option(None, "--anchors", help=ANCHORS_HELP),
           head_types: Optional[str] = typer.Option(None, "--head-types", help=HEADS_HELP),
+          v_outliers: Optional[str] = typer.Option(None, "--v-outliers", help=OUTLIERS_HELP),
           recent: Optional[int] = typer.Option(None, "--recent", min=0, help=RECENT_HELP),
           threads: Optional[int] = typer.Option(None, "--threads"),
           device: Optional[str] = typer.Option(None, "--device", help=DEVICE_HELP),
@@ -324,17 +375,22 @@ def ruler(task: str = typer.Option("niah", "--task", help="niah, vt or codes (ra
     ref = json.loads(reference.read_text(encoding="utf-8")) if reference is not None else None
     anc = _anchors(anchors)
     ht = _heads(head_types, anc)
+    vo = _outliers(v_outliers, anc, ht)
     rec = _recent(preset, k_arg, v_arg, recent, anc)
     m, tok = _load(model, threads, device)
     ov, info = preset_overrides(m, preset, k_arg, v_arg, precision, None if anc is not None else rec)
+    vo, ctx_vo = _outliers_ready(vo, m, tok)
     try:
-        r = eval_ruler(m, tok, task, ctx, k, v, samples, seed, innerq=iq, text=text, details=details,
-                       reference=ref, overrides=ov, anchors=anc if anc is not None else ht, recent=rec)
+        with ctx_vo:
+            r = eval_ruler(m, tok, task, ctx, k, v, samples, seed, innerq=iq, text=text, details=details,
+                           reference=ref, overrides=ov, anchors=anc if anc is not None else ht if ht is not None else vo,
+                           recent=rec)
     except ValueError as e:
         raise typer.BadParameter(str(e)) from None
     r["preset"] = preset
     r["precision"] = info
     _head_fields(r, ht, m, rec)
+    _outlier_fields(r, vo, m, k, v, iq, ov, rec)
     _emit(r, as_json, lambda r: _kv_table(f"ruler {task} @ {r['ctx']} K {k} / V {v}", r,
                                           ["score", "score_ref", "samples", "seconds"]))
 
