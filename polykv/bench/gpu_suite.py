@@ -21,6 +21,7 @@ from polykv.codecs import CODEC_NAMES, Packed, get_codec  # noqa: E402
 from polykv.kernels import (attention_decode, attention_decode_ref, cascade_attention,  # noqa: E402
                             cascade_attention_ref, dequantize, dequantize_ref, merge_attention,
                             merge_attention_ref, quantize_into)
+from polykv.kernels.reference import RecentSegment  # noqa: E402
 
 OUT = os.environ.get("OUT", ".")
 RES: dict = {"date": time.strftime("%Y-%m-%d %H:%M:%S"), "checks": [], "tune": [], "decode": [],
@@ -360,6 +361,18 @@ def window_bench():
             o2, l2 = cascade_attention_ref(q, pk, pv, sk, sv, lens, kc, vc, **kw)
             fin = torch.isfinite(l2)
             check(f"window cascade {kn}/{vn} D{D} W{W} n_q{n_q}", rel(o, o2) <= 1e-2
+                  and torch.equal(fin, torch.isfinite(l)), rel=rel(o, o2),
+                  lse_err=(l[fin] - l2[fin]).abs().max().item())
+            # with a recent window's segment (a pool layer with rings, R = 8): the third pass
+            R = 8
+            rc, w = get_codec("q8_0", D), R - 1 + n_q
+            seg = RecentSegment(rc.encode(rnd(N, hkv, w, D)), rc.encode(rnd(N, hkv, w, D)), rc, R,
+                                (w - lens).clamp(0, w).to(torch.int32))
+            older = (lens - R).clamp_min(0)
+            o, l = cascade_attention(q, pk, pv, sk, sv, older, kc, vc, recent=seg, **kw)
+            o2, l2 = cascade_attention_ref(q, pk, pv, sk, sv, older, kc, vc, recent=seg, **kw)
+            fin = torch.isfinite(l2)
+            check(f"window cascade + recent {kn}/{vn} D{D} W{W} n_q{n_q}", rel(o, o2) <= 1e-2
                   and torch.equal(fin, torch.isfinite(l)), rel=rel(o, o2),
                   lse_err=(l[fin] - l2[fin]).abs().max().item())
     kc, vc = get_codec("q8_0", 256), get_codec("turbo3", 256)

@@ -212,12 +212,18 @@ def cascade_attention(q: torch.Tensor, prefix_k: Packed | None, prefix_v: Packed
     its own included; prefix row i sits at position prefix_start + i and suffix row j at
     prefix_end + j (default prefix_end: prefix_start + P), so a query's window may reach back
     into the shared prefix (`_windowed_cascade`; not with prefix_chunks).
-    recent: a recent window's segment (`reference.RecentSegment`; full-attention layers, the
-    prefix whole) merged in by LSE — on the kernels a third split pass joined by the same combine
-    (polykv.pool.ring: the window and the cascade in one epilogue).
+    recent: a recent window's segment (`reference.RecentSegment`, R = recent.window; the prefix
+    whole) merged in by LSE — on the kernels a third split pass joined by the same combine
+    (polykv.pool.ring: the window and the cascade in one epilogue). suffix_lens are then the
+    lengths of the rows older than the segment (max(0, L - R)); with window, the prefix is seen
+    from the agents' real lengths (`RecentSegment.lengths`) and those older rows within the
+    window's other window - R positions (R < window).
     Returns out [N, Hq, n_q, D] (q.dtype), lse float32 [N, Hq, n_q]."""
-    if recent is not None and (window is not None or prefix_chunks is not None):
-        raise ValueError("recent= joins a full-attention cascade over a whole prefix only")
+    if recent is not None and prefix_chunks is not None:
+        raise ValueError("recent= joins a cascade over a whole prefix only (not prefix_chunks)")
+    if recent is not None and window is not None and not 0 < recent.window < int(window):
+        raise ValueError(f"a sliding layer's recent window R={recent.window} must be in "
+                         f"[1, window={window})")
     if not use_triton(q, suffix_k.codes, *(() if prefix_k is None else (prefix_k.codes,))):
         if suffix_pages is not None:
             suffix_k, suffix_v = (gather_pages(p, suffix_pages, page_size) for p in (suffix_k, suffix_v))
@@ -240,7 +246,8 @@ def cascade_attention(q: torch.Tensor, prefix_k: Packed | None, prefix_v: Packed
         return _windowed_cascade(q, prefix_k, prefix_v, suffix_k, suffix_v, suffix_lens,
                                  as_codec(k_codec, D), as_codec(v_codec, D), int(window),
                                  prefix_start, prefix_end, sm_scale=sm_scale, k_innerq=k_innerq,
-                                 suffix_pages=suffix_pages, page_size=page_size, **tune)
+                                 suffix_pages=suffix_pages, page_size=page_size, recent=recent,
+                                 **tune)
     key = None
     if prefix_chunks is None and prefix_k is not None and dec._plannable(q.device):
         key = _call_key(dec, "cascade", q, (prefix_k.codes, prefix_k.scales, prefix_v.codes,
@@ -284,13 +291,16 @@ _WINDOW_ROW_ALIGN = 64
 
 def _windowed_cascade(q, prefix_k, prefix_v, suffix_k, suffix_v, suffix_lens, kc, vc, window: int,
                       prefix_start: int, prefix_end: int | None, *, sm_scale, k_innerq,
-                      suffix_pages, page_size: int, **tune):
+                      suffix_pages, page_size: int, recent: RecentSegment | None = None, **tune):
     """`cascade_attention` of a sliding-window layer on the kernels (issue G): two split passes
     and one combine. The prefix pass runs every agent as its own sequence over the shared prefix
     (batch stride 0: the rows are read per agent, at most window + n_q of them) with its queries
     placed after its suffix (`decode_parts` q_shift = the gap between prefix and suffix + its
     suffix length), so the window mask is the reference's; the suffix pass is the causal,
-    windowed decode of each agent's suffix. Both read only the tiles a window reaches."""
+    windowed decode of each agent's suffix. Both read only the tiles a window reaches. recent:
+    a third pass over the segment (window R, true space) in the same combine; the suffix pass
+    then reads the older rows (suffix_lens) within window - R, and the prefix pass places the
+    queries by the real lengths (`RecentSegment.lengths`)."""
     dec, cas = _k()[:2]
     N, Hq, n_q, D = q.shape
     hkv, P = suffix_k.codes.shape[1], prefix_k.codes.shape[2]
@@ -300,13 +310,16 @@ def _windowed_cascade(q, prefix_k, prefix_v, suffix_k, suffix_v, suffix_lens, kc
     qp = _prep_q(q, kc, k_innerq, hkv)
     M = qp.shape[2]
     lens = cas.lens_i32(suffix_lens, dev)
+    real, suffix_window = lens, window
+    if recent is not None:
+        real, suffix_window = recent.lengths(lens), window - int(recent.window)
     # the earliest query sits at pend - n_q (an empty suffix) or later: rows before its window
     # are never keys, so the pass reads the prefix from the aligned row below that window
     first = max(0, pend - n_q - window + 1 - prefix_start)
     r0 = min(P, first // _WINDOW_ROW_ALIGN * _WINDOW_ROW_ALIGN)
     pk, pv = (p.index((slice(None), slice(None), slice(r0, P))) for p in (prefix_k, prefix_v))
     gap = pend - prefix_start - P
-    shift = lens if gap == 0 else lens + gap
+    shift = real if gap == 0 else real + gap
     prefix = None
     if P - r0:
         # causal as well: a query placed before the prefix's end (a suffix shorter than n_q) sees
@@ -316,14 +329,25 @@ def _windowed_cascade(q, prefix_k, prefix_v, suffix_k, suffix_v, suffix_lens, kc
     suffix = None
     if suffix_k.codes.shape[2] and (suffix_pages is None or suffix_pages.shape[1]):
         suffix = dec.decode_parts(qp, n_q, suffix_k, suffix_v, kc, vc, lens, causal=True,
-                                  window=window, sm_scale=sm_scale, page_table=suffix_pages,
+                                  window=suffix_window, sm_scale=sm_scale, page_table=suffix_pages,
                                   page_size=page_size, **tune)
-    if prefix is None and suffix is None:  # no key anywhere: the reference's empty rows
-        return (torch.zeros(N, Hq, n_q, D, dtype=q.dtype, device=dev),
-                torch.full((N, Hq, n_q), float("-inf"), device=dev))
+    third = None
+    if recent is not None:  # its q8_0 keys read plain query rows
+        third = dec.decode_parts(_prep_q(q, recent.codec, None, hkv), n_q, recent.k, recent.v,
+                                 recent.codec, recent.codec,
+                                 _full_lens(N, recent.k.codes.shape[2], dev), causal=True,
+                                 window=int(recent.window), sm_scale=sm_scale,
+                                 kv_start=cas.lens_i32(recent.kv_start, dev), **tune)
+    shape, out_shape = (N, hkv, M, D), (N, Hq, n_q, D)
+    if prefix is None and suffix is None:
+        if third is None:  # no key anywhere: the reference's empty rows
+            return (torch.zeros(out_shape, dtype=q.dtype, device=dev),
+                    torch.full(out_shape[:-1], float("-inf"), device=dev))
+        # the segment alone (no older row in any window): its q8_0 values are true space
+        return dec.combine_splits(third, shape, recent.codec, q.dtype, out_shape=out_shape)
     first_pass, second = (prefix, suffix) if prefix is not None else (suffix, None)
-    return dec.combine_splits(first_pass, (N, hkv, M, D), vc, q.dtype, second=second,
-                              out_shape=(N, Hq, n_q, D))
+    return dec.combine_splits(first_pass, shape, vc, q.dtype, second=second, third=third,
+                              out_shape=out_shape)
 
 
 class _CascadeCall:

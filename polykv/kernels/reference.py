@@ -165,13 +165,23 @@ class RecentSegment(NamedTuple):
     [N, Hkv, W] in `codec` (q8_0: its queries need no preparation), read causally with `window`
     (the window's R) and kv_start int32 [N] (rows before it are not keys) — what
     `attention_decode_ref(q, k, v, codec, codec, causal=True, window=window, kv_start=kv_start)`
-    reads, merged by LSE with the cascade."""
+    reads, merged by LSE with the cascade. W = R - 1 + n_q: row i is the agent's suffix position
+    L - n_q - R + 1 + i (L its length), so kv_start = max(0, W - L) (polykv.pool.ring)."""
 
     k: Packed
     v: Packed
     codec: Codec
     window: int
     kv_start: torch.Tensor
+
+    def lengths(self, older: torch.Tensor) -> torch.Tensor:
+        """The agents' suffix lengths L, int32 [N], from the lengths of their rows older than the
+        window (older = max(0, L - R), what the cascade reads besides the segment): L = older + R
+        where the segment is all keys (kv_start 0: L >= W >= R), W - kv_start where it starts
+        later. Sliding-window layers place their queries against the prefix by L."""
+        w = self.k.shape[2]
+        older = older.to(device=self.kv_start.device, dtype=torch.int32)
+        return torch.where(self.kv_start > 0, w - self.kv_start, older + self.window).to(torch.int32)
 
 
 def merge_attention_ref(out_a: torch.Tensor, lse_a: torch.Tensor, out_b: torch.Tensor,
@@ -198,10 +208,23 @@ def cascade_attention_ref(q: torch.Tensor, prefix_k: Packed, prefix_v: Packed, s
     Conventions: Cascade); with recent (a recent window's segment, `RecentSegment`) that segment's
     attention merged in too. Returns out [N, Hq, n_q, D] (q.dtype), lse float32 [N, Hq, n_q]."""
     if recent is not None:
-        out, lse = cascade_attention_ref(q, prefix_k, prefix_v, suffix_k, suffix_v, suffix_lens,
-                                         k_codec, v_codec, sm_scale=sm_scale, k_innerq=k_innerq,
-                                         window=window, prefix_start=prefix_start,
-                                         prefix_end=prefix_end)
+        kw = dict(sm_scale=sm_scale, k_innerq=k_innerq, window=window, prefix_start=prefix_start,
+                  prefix_end=prefix_end)
+        if window is None:
+            out, lse = cascade_attention_ref(q, prefix_k, prefix_v, suffix_k, suffix_v, suffix_lens,
+                                             k_codec, v_codec, **kw)
+        else:
+            # a sliding layer: the prefix within the window of each query's real position (a
+            # cascade without suffix rows, placed by the agents' lengths), then the suffix rows
+            # older than the segment within the rest of the window (W - R)
+            none = (slice(None), slice(None), slice(0, 0))
+            out, lse = cascade_attention_ref(q, prefix_k, prefix_v, suffix_k.index(none),
+                                             suffix_v.index(none), recent.lengths(suffix_lens),
+                                             k_codec, v_codec, **kw)
+            out_s, lse_s = attention_decode_ref(q, suffix_k, suffix_v, k_codec, v_codec,
+                                                kv_lens=suffix_lens, causal=True, sm_scale=sm_scale,
+                                                window=int(window) - recent.window, k_innerq=k_innerq)
+            out, lse = merge_attention_ref(out, lse, out_s, lse_s)
         out_r, lse_r = attention_decode_ref(q, recent.k, recent.v, recent.codec, recent.codec,
                                             causal=True, sm_scale=sm_scale, window=recent.window,
                                             kv_start=recent.kv_start)

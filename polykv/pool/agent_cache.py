@@ -344,10 +344,11 @@ class AgentCache(Cache):
 
     def _attend_ring(self, li: int, query, scaling):
         """Attention of a layer with recent windows (`polykv.pool.ring`): the window segment that
-        `update` built (q8_0, causal, window R_l) merged by LSE with the rest — on full-attention
-        layers one cascade with suffix lengths L - R_l (query j at p_j - R_l: it sees suffix rows
-        <= p_j - R_l, and the whole prefix); on sliding layers the prefix pass (a 0-row suffix, the
-        real lengths place the queries) and the older suffix rows (window W - R_l) separately."""
+        `update` built (q8_0, causal, window R_l) merged by LSE with the rest — one cascade with
+        suffix lengths L - R_l (query j at p_j - R_l: it sees suffix rows <= p_j - R_l, and the
+        whole prefix; on sliding layers the prefix by the real lengths and the older suffix rows
+        within W - R_l), the segment its third pass (`dispatch.cascade_attention(recent=)`). A
+        streamed (host-tier) document: the segment, the streamed cascade and their merges apart."""
         from ..kernels import dispatch
 
         g = self._group
@@ -364,8 +365,9 @@ class AgentCache(Cache):
         P = self.pages.page_size
         common = dict(sm_scale=scaling, k_innerq=doc.key_scales, window=W, prefix_start=self.prefix_start[li],
                       prefix_end=self.doc_len, backend=self.backend)
-        if W is None and not self.streamed:
-            # the window's segment joins the cascade (on the kernels: a third pass of its combine)
+        if not self.streamed:
+            # the window's segment joins the cascade (on the kernels: a third pass of its combine);
+            # sliding layers read the older suffix rows within W - R, the prefix by the real lengths
             out, _ = cascade_attention(query, doc.keys(), doc.values(), sk, sv, main, doc.k_codec,
                                        doc.v_codec, suffix_pages=table, page_size=P, suffix_rows=g.seq,
                                        recent=RecentSegment(seg_k, seg_v, ring.codec, R, seg_start),
@@ -377,13 +379,9 @@ class AgentCache(Cache):
         # sliding layers: the prefix pass alone (suffix_rows=0 reads no suffix row, the real
         # lengths place the queries), the older suffix rows below
         seq_lens, rows = (main, g.seq) if W is None else (lens, 0)
-        paged = dict(suffix_pages=table, page_size=P, suffix_rows=rows)
-        if self.streamed:
-            out_m, lse_m = streamed_cascade_attention(query, self.streamer.chunks(doc), sk, sv, seq_lens,
-                                                      doc.k_codec, doc.v_codec, **common, **paged)
-        else:
-            out_m, lse_m = cascade_attention(query, doc.keys(), doc.values(), sk, sv, seq_lens, doc.k_codec,
-                                             doc.v_codec, **common, **paged)
+        out_m, lse_m = streamed_cascade_attention(query, self.streamer.chunks(doc), sk, sv, seq_lens,
+                                                  doc.k_codec, doc.v_codec, **common, suffix_pages=table,
+                                                  page_size=P, suffix_rows=rows)
         if W is not None:
             rows = max(1, int(g.seq))
             n_pages = -(-rows // P)

@@ -214,5 +214,5 @@ def test_a_cascade_with_a_recent_segment_plans_its_third_pass(ws_launches, monke
     assert torch.equal(rp[7], torch.full((3,), 8)) and rp[8] is r2.kv_start
     assert c[0] is w[6] and c[2] is sp[10] and c[4] is rp[10] and c[5] is rp[11]
     assert c[6] is out and c[7] is lse and len(launches) == 4
-    with pytest.raises(ValueError, match="recent="):
-        dispatch.cascade_attention(q2, pk, pv, sk, sv, sl, kc, vc, recent=r2, window=16)
+    with pytest.raises(ValueError, match="recent window R=8"):  # a sliding layer's R < its window
+        dispatch.cascade_attention(q2, pk, pv, sk, sv, sl, kc, vc, recent=r2, window=8)

@@ -89,6 +89,73 @@ def test_windowed_cascade_reads_a_paged_suffix():
     _close(out, lse, o2, l2)
 
 
+def _segment(lens: list[int], R: int, n_q: int, Hkv: int, D: int):
+    """A recent window's segment for agents of suffix lengths `lens` (polykv.pool.ring's layout:
+    R - 1 + n_q q8_0 rows ending at each agent's last position) and the lengths of their older
+    rows, max(0, L - R)."""
+    from polykv.kernels.reference import RecentSegment
+
+    rc = get_codec("q8_0", D)
+    w = R - 1 + n_q
+    L = torch.tensor(lens, dtype=torch.int32)
+    seg = RecentSegment(rc.encode(torch.randn(len(lens), Hkv, w, D)),
+                        rc.encode(torch.randn(len(lens), Hkv, w, D)), rc, R,
+                        (w - L).clamp(0, w).to(torch.int32))
+    return seg, (L - R).clamp_min(0)
+
+
+@pytest.mark.parametrize("kn,vn,D,group,n_q,window,R,P,gap,lens", [
+    # windows into the prefix by different amounts; agents shorter than R (the segment starts
+    # later) and shorter than R - 1 + n_q; turbo keys (rotated q, InnerQ)
+    ("turbo4", "turbo3", 64, 2, 1, 24, 6, 90, 0, [1, 4, 6, 7, 30]),
+    ("q8_0", "turbo3", 128, 4, 3, 20, 5, 70, 0, [3, 5, 6, 9, 40]),
+    # a gap between prefix and suffix
+    ("q8_0", "q4_0", 64, 4, 2, 33, 7, 100, 5, [2, 8, 20]),
+])
+def test_windowed_cascade_with_a_recent_segment_matches_reference(kn, vn, D, group, n_q, window,
+                                                                   R, P, gap, lens):
+    """A sliding layer's cascade with a recent window's segment (`recent=`, the pool's layers with
+    rings): the prefix seen from the real lengths, the older suffix rows within window - R, the
+    segment as a third pass of the one combine — the reference's values."""
+    torch.manual_seed(D + R)
+    N, Hkv = len(lens), 2
+    kc, vc = get_codec(kn, D), get_codec(vn, D)
+    pk, pv = kc.encode(torch.randn(1, Hkv, P, D)), vc.encode(torch.randn(1, Hkv, P, D))
+    S = max(lens) + 2
+    sk, sv = kc.encode(torch.randn(N, Hkv, S, D)), vc.encode(torch.randn(N, Hkv, S, D))
+    seg, older = _segment(lens, R, n_q, Hkv, D)
+    q = torch.randn(N, Hkv * group, n_q, D, dtype=torch.float16)
+    innerq = torch.rand(Hkv, D) + 0.5 if kc.rotated else None
+    kw = dict(window=window, prefix_end=P + gap, k_innerq=innerq, recent=seg)
+    out, lse = cascade_attention(q, pk, pv, sk, sv, older, kc, vc, **kw)
+    o2, l2 = cascade_attention_ref(q, pk, pv, sk, sv, older, kc, vc, **kw)
+    _close(out, lse, o2, l2)
+    # the prefix is placed by the real lengths: placed by the older rows' lengths it differs
+    o3, _ = cascade_attention_ref(q, pk, pv, sk, sv, older, kc, vc,
+                                  **{**kw, "recent": seg._replace(kv_start=torch.zeros_like(seg.kv_start))})
+    assert (o3.float() - o2.float()).abs().max() > 1e-2
+
+
+def test_windowed_cascade_with_only_a_recent_segment():
+    """No older row in any window (a gap past the window, no suffix rows): the segment alone."""
+    from polykv.kernels import attention_decode_ref
+
+    torch.manual_seed(4)
+    Hkv, D, window, R = 2, 64, 16, 4
+    kc, vc = get_codec("q8_0", D), get_codec("turbo3", D)
+    # the prefix is read from a multiple of 64 rows below the earliest window: 64 rows and a gap
+    # of a window leave no prefix tile to read
+    pk, pv = kc.encode(torch.randn(1, Hkv, 64, D)), vc.encode(torch.randn(1, Hkv, 64, D))
+    sk, sv = kc.empty((2, Hkv, 0), "cpu"), vc.empty((2, Hkv, 0), "cpu")
+    seg, older = _segment([2, 4], R, 1, Hkv, D)
+    q = torch.randn(2, Hkv * 2, 1, D, dtype=torch.float16)
+    out, lse = cascade_attention(q, pk, pv, sk, sv, older, kc, vc, window=window,
+                                 prefix_end=64 + window, recent=seg)
+    o2, l2 = attention_decode_ref(q, seg.k, seg.v, seg.codec, seg.codec, causal=True, window=R,
+                                  kv_start=seg.kv_start)
+    _close(out, lse, o2, l2)
+
+
 def test_windowed_cascade_refuses_prefix_chunks():
     kc, vc = get_codec("q8_0", 64), get_codec("turbo3", 64)
     pk, pv = kc.encode(torch.randn(1, 1, 64, 64)), vc.encode(torch.randn(1, 1, 64, 64))
