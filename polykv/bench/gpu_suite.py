@@ -21,6 +21,7 @@ from polykv.codecs import CODEC_NAMES, Packed, get_codec  # noqa: E402
 from polykv.kernels import (attention_decode, attention_decode_ref, cascade_attention,  # noqa: E402
                             cascade_attention_ref, dequantize, dequantize_ref, merge_attention,
                             merge_attention_ref, quantize_into)
+from polykv.kernels.dispatch import quantize_kv_into  # noqa: E402
 from polykv.kernels.reference import RecentSegment  # noqa: E402
 
 OUT = os.environ.get("OUT", ".")
@@ -333,6 +334,33 @@ def quantize_bench():
             RES["quantize"].append(r)
             log(f"quantize {name} {dt} B{B} T{T}: {ms * 1e3:.1f} us ({r['gbps']:.0f} GB/s), "
                 f"torch encode {ms_t * 1e3:.1f} us")
+    # a decode step's K and V page writes (32 agents, one row each into a shared page pool):
+    # one launch (quantize_kv_into) against two, bytes and time
+    kc, vc = get_codec("q8_0", 128), get_codec("turbo3", 128)
+    G, rows = 32, 4096
+    k, v = (torch.randn(G, 8, 1, 128, device=DEV, generator=g, dtype=torch.bfloat16) for _ in range(2))
+    pos = torch.randperm(rows, device=DEV)[:G, None]
+
+    def shared(p):
+        return Packed(p.codes[None].expand(G, *p.codes.shape), p.scales[None].expand(G, *p.scales.shape))
+
+    two = (kc.empty((8, rows), device=DEV), vc.empty((8, rows), device=DEV))
+    one = (kc.empty((8, rows), device=DEV), vc.empty((8, rows), device=DEV))
+
+    def apart():
+        quantize_into(shared(two[0]), k, kc, pos)
+        quantize_into(shared(two[1]), v, vc, pos)
+
+    def paired():
+        quantize_kv_into(shared(one[0]), k, kc, shared(one[1]), v, vc, pos)
+
+    apart(), paired()
+    same = all(torch.equal(a, b) for x, y in zip(one, two) for a, b in ((x.codes, y.codes), (x.scales, y.scales)))
+    check("quantize K+V pair (q8_0/turbo3, 32 rows into pages) = two launches", same)
+    ms2, _ = _time(apart, 25, 100)
+    ms1, _ = _time(paired, 25, 100)
+    RES["quantize"].append(dict(case="kv step write 32 agents", ms_two_launches=ms2, ms_one_launch=ms1))
+    log(f"K+V step write, 32 agents: two launches {ms2 * 1e3:.1f} us, one {ms1 * 1e3:.1f} us")
 
 
 @section("window")

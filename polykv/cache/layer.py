@@ -105,8 +105,8 @@ class CompressedLayer:
 
         if dispatch.use_triton(k, self.k.codes):
             # Quantize-on-write kernel: encodes and writes in place, no packed temporaries.
-            dispatch.quantize_into(self.k, k, self.k_codec, self.length, innerq=self.key_scales)
-            dispatch.quantize_into(self.v, v, self.v_codec, self.length)
+            dispatch.quantize_kv_into(self.k, k, self.k_codec, self.v, v, self.v_codec, self.length,
+                                      innerq=self.key_scales)
         else:
             sl = slice(self.length, self.length + s)
             _write_rows(self.k, self.k_codec.encode(self.scale_keys(k), check=False), sl)
@@ -120,8 +120,8 @@ class CompressedLayer:
         reserved capacity."""
         from ..kernels import dispatch
 
-        dispatch.quantize_into(self.k, k, self.k_codec, positions, innerq=self.key_scales)
-        dispatch.quantize_into(self.v, v, self.v_codec, positions)
+        dispatch.quantize_kv_into(self.k, k, self.k_codec, self.v, v, self.v_codec, positions,
+                                  innerq=self.key_scales)
 
     def trim(self, keep: int) -> None:
         """Keep only the newest `keep` rows (sliding-window layers). Storage a long chunk grew

@@ -165,15 +165,14 @@ class PagedRows:
 
     def write(self, k: torch.Tensor, v: torch.Tensor, rows: torch.Tensor) -> None:
         """Encode k, v [G, kv_heads, T, head_dim] (true space; keys unscaled) and store row (g, t) at
-        pool row rows[g, t] (int64 [G, T] on the storage device): one quantize-on-write launch per
-        tensor on CUDA, the codec's encode elsewhere."""
+        pool row rows[g, t] (int64 [G, T] on the storage device): on CUDA quantize-on-write, K and V
+        in one launch for a step's rows (`dispatch.quantize_kv_into`); the codec's encode elsewhere."""
         from ..kernels import dispatch
 
         if dispatch.use_triton(k, self.k.codes):
             G = k.shape[0]
-            dispatch.quantize_into(_broadcast(self.k, G), k, self.k_codec, rows,
-                                   innerq=self.key_scales)
-            dispatch.quantize_into(_broadcast(self.v, G), v, self.v_codec, rows)
+            dispatch.quantize_kv_into(_broadcast(self.k, G), k, self.k_codec, _broadcast(self.v, G), v,
+                                      self.v_codec, rows, innerq=self.key_scales)
             return
         if self.key_scales is not None:
             k = k * self.key_scales.to(k.dtype)[None, :, None, :]

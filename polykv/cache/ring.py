@@ -64,8 +64,7 @@ class RecentRing:
     def _put(self, k, v, slots: torch.Tensor) -> None:
         from ..kernels import dispatch
 
-        dispatch.quantize_into(self.k, k, self.codec, slots)
-        dispatch.quantize_into(self.v, v, self.codec, slots)
+        dispatch.quantize_kv_into(self.k, k, self.codec, self.v, v, self.codec, slots)
 
     # --- reads -------------------------------------------------------------------------------
     def rows(self, start: int, stop: int) -> tuple[Packed, Packed]:

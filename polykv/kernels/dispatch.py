@@ -421,6 +421,21 @@ def quantize_into(dst: Packed, x: torch.Tensor, codec, positions, *,
         dst.scales[bi, :, pos] = pk.scales.permute(0, 2, 1, 3)
 
 
+def quantize_kv_into(dst_k: Packed, k: torch.Tensor, k_codec, dst_v: Packed, v: torch.Tensor,
+                     v_codec, positions, *, innerq: torch.Tensor | None = None) -> None:
+    """`quantize_into` of k [B, Hkv, T, D] into dst_k (InnerQ s: stored k * s) and of v into dst_v
+    at the same positions: one launch on the kernels for a step's few rows
+    (`triton_quantize.quantize_pair_triton`: T <= 16), two otherwise."""
+    B, H, T, D = k.shape
+    kc, vc = as_codec(k_codec, D), as_codec(v_codec, D)
+    if use_triton(k, dst_k.codes):
+        if _k()[2].quantize_pair_triton(dst_k, k, kc, dst_v, v, vc, _positions(positions, B, T, k.device),
+                                        innerq):
+            return
+    quantize_into(dst_k, k, kc, positions, innerq=innerq)
+    quantize_into(dst_v, v, vc, positions)
+
+
 def ring_step(ring_k: Packed, ring_v: Packed, k: torch.Tensor, v: torch.Tensor, rows: torch.Tensor,
               seg_rows: torch.Tensor, real: torch.Tensor) -> tuple[Packed, Packed]:
     """One decode / verify step of a q8_0 recent window (`reference.ring_step_ref` defines it):

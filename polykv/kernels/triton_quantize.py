@@ -94,6 +94,93 @@ def _turbo_index(u, BOUNDS, CENT, BITS: tl.constexpr):
 
 
 @triton.jit
+def _quantize_tile(X, POS, SCL, CODES, SCALES, ROT, CENT, BOUNDS,
+                   sxb, sxh, sxt, scb, sch, scs, ssb, ssh, sss, b, h, T, tile,
+                   D: tl.constexpr, BLOCK_T: tl.constexpr, KIND: tl.constexpr,
+                   BITS: tl.constexpr, G: tl.constexpr, HAS_S: tl.constexpr, SPLIT: tl.constexpr):
+    """Row tile `tile` of sequence b, KV head h: rows t of X encoded to CODES / SCALES rows POS[b, t]."""
+    t = tile * BLOCK_T + tl.arange(0, BLOCK_T)
+    tmask = t < T
+    pos = tl.load(POS + b.to(tl.int64) * T + t, mask=tmask, other=0).to(tl.int64)
+    xrow = b.to(tl.int64) * sxb + h.to(tl.int64) * sxh + t.to(tl.int64) * sxt
+    crow = b.to(tl.int64) * scb + h.to(tl.int64) * sch + pos * scs
+    srow = b.to(tl.int64) * ssb + h.to(tl.int64) * ssh + pos * sss
+    m2 = tmask[:, None]
+    if KIND == 3:
+        NG: tl.constexpr = D // G
+        GB: tl.constexpr = G * BITS // 8
+        i = tl.arange(0, G)
+        # ROT is the rotation times sqrt(G): entries exactly +-1 in fp16. The fp32 rows are split
+        # into fp16 hi + lo parts, so two tensor-core dots with fp32 accumulation give x @ R*sqrt(G)
+        # to ~2^-22 relative (fp16 rows without InnerQ: lo is 0, one dot, SPLIT=False). Read per
+        # tile (L2-resident, 32 KB at G = 128): held across the walk it pinned 64 registers per
+        # thread and the tile spilled.
+        rot = tl.load(ROT + i[:, None] * G + i[None, :])
+        for g in tl.static_range(NG):
+            xg = tl.load(X + xrow[:, None] + (g * G + i)[None, :], mask=m2, other=0.0)
+            xg = xg.to(tl.float32)
+            if HAS_S:
+                xg = xg * tl.load(SCL + h * D + g * G + i)[None, :]
+            x_hi = xg.to(tl.float16)
+            y = tl.dot(x_hi, rot, out_dtype=tl.float32)
+            if SPLIT:
+                x_lo = (xg - x_hi.to(tl.float32)).to(tl.float16)
+                y += tl.dot(x_lo, rot, out_dtype=tl.float32)
+            norm = tl.sqrt(tl.sum(xg * xg, 1))
+            safe = tl.where(norm > 0, norm, 1.0)
+            # u = (x @ R) * sqrt(G) / ||x|| = (x @ R*sqrt(G)) / ||x||
+            scl = tl.math.div_rn(tl.full([BLOCK_T], 1.0, tl.float32), safe)
+            u = y * scl[:, None]
+            idx, c2sum = _turbo_index(u, BOUNDS, CENT, BITS)
+            cn = tl.sqrt(c2sum)
+            corr = tl.where(norm > 0, tl.math.div_rn(norm, tl.where(cn > 0, cn, 1.0)), 0.0)
+            tl.store(SCALES + srow + g, corr.to(tl.float16), mask=tmask)
+            if BITS == 8:
+                tl.store(CODES + crow[:, None] + (g * GB + i)[None, :], idx.to(tl.uint8), mask=m2)
+            elif BITS == 3:
+                lo = _pack(idx & 3, BLOCK_T, G, 2)
+                hi = _pack(idx >> 2, BLOCK_T, G, 1)
+                jl = tl.arange(0, G // 4)
+                jh = tl.arange(0, G // 8)
+                tl.store(CODES + crow[:, None] + (g * GB + jl)[None, :], lo.to(tl.uint8), mask=m2)
+                tl.store(CODES + crow[:, None] + (g * GB + G // 4 + jh)[None, :], hi.to(tl.uint8),
+                         mask=m2)
+            else:
+                pk = _pack(idx, BLOCK_T, G, BITS)
+                j = tl.arange(0, GB)
+                tl.store(CODES + crow[:, None] + (g * GB + j)[None, :], pk.to(tl.uint8), mask=m2)
+    else:
+        d = tl.arange(0, D)
+        x = tl.load(X + xrow[:, None] + d[None, :], mask=m2, other=0.0).to(tl.float32)
+        if HAS_S:
+            x = x * tl.load(SCL + h * D + d)[None, :]
+        if KIND == 0:
+            tl.store(CODES + crow[:, None] + d[None, :], x.to(CODES.dtype.element_ty), mask=m2)
+        else:
+            NB: tl.constexpr = D // 32
+            x3 = tl.reshape(x, [BLOCK_T, NB, 32])
+            jb = tl.arange(0, NB)
+            if KIND == 1:
+                q, d16 = q8_0_rows(x)
+                tl.store(CODES + crow[:, None] + d[None, :], q, mask=m2)
+            else:
+                ax = tl.abs(x3)
+                pos_m = tl.argmax(ax, 2, tie_break_left=True)
+                col = tl.arange(0, 32)
+                m = tl.sum(tl.where(col[None, None, :] == pos_m[:, :, None], x3, 0.0), 2)
+                d16 = (m * -0.125).to(tl.float16)
+                df = d16.to(tl.float32)
+                inv = tl.where(df != 0, tl.math.div_rn(tl.full([BLOCK_T, NB], 1.0, tl.float32),
+                                                       tl.where(df != 0, df, 1.0)), 0.0)
+                q = tl.floor(x3 * inv[:, :, None] + 8.5)
+                q = tl.minimum(tl.maximum(q, 0.0), 15.0).to(tl.int32)
+                pk = _pack(tl.reshape(q, [BLOCK_T, D]), BLOCK_T, D, 4)
+                j = tl.arange(0, D // 2)
+                tl.store(CODES + crow[:, None] + j[None, :], pk.to(tl.uint8), mask=m2)
+            tl.store(SCALES + srow[:, None] + jb[None, :], d16, mask=m2)
+
+
+@triton.jit
 def _quantize_kernel(X, POS, SCL, CODES, SCALES, ROT, CENT, BOUNDS,
                      sxb, sxh, sxt, scb, sch, scs, ssb, ssh, sss,
                      HKV, T, N_TILES,
@@ -104,85 +191,33 @@ def _quantize_kernel(X, POS, SCL, CODES, SCALES, ROT, CENT, BOUNDS,
     b = pid_bh // HKV
     h = pid_bh % HKV
     for tile in range(tl.program_id(1), N_TILES, tl.num_programs(1)):
-        t = tile * BLOCK_T + tl.arange(0, BLOCK_T)
-        tmask = t < T
-        pos = tl.load(POS + b.to(tl.int64) * T + t, mask=tmask, other=0).to(tl.int64)
-        xrow = b.to(tl.int64) * sxb + h.to(tl.int64) * sxh + t.to(tl.int64) * sxt
-        crow = b.to(tl.int64) * scb + h.to(tl.int64) * sch + pos * scs
-        srow = b.to(tl.int64) * ssb + h.to(tl.int64) * ssh + pos * sss
-        m2 = tmask[:, None]
-        if KIND == 3:
-            NG: tl.constexpr = D // G
-            GB: tl.constexpr = G * BITS // 8
-            i = tl.arange(0, G)
-            # ROT is the rotation times sqrt(G): entries exactly +-1 in fp16. The fp32 rows are split
-            # into fp16 hi + lo parts, so two tensor-core dots with fp32 accumulation give x @ R*sqrt(G)
-            # to ~2^-22 relative (fp16 rows without InnerQ: lo is 0, one dot, SPLIT=False). Read per
-            # tile (L2-resident, 32 KB at G = 128): held across the walk it pinned 64 registers per
-            # thread and the tile spilled.
-            rot = tl.load(ROT + i[:, None] * G + i[None, :])
-            for g in tl.static_range(NG):
-                xg = tl.load(X + xrow[:, None] + (g * G + i)[None, :], mask=m2, other=0.0)
-                xg = xg.to(tl.float32)
-                if HAS_S:
-                    xg = xg * tl.load(SCL + h * D + g * G + i)[None, :]
-                x_hi = xg.to(tl.float16)
-                y = tl.dot(x_hi, rot, out_dtype=tl.float32)
-                if SPLIT:
-                    x_lo = (xg - x_hi.to(tl.float32)).to(tl.float16)
-                    y += tl.dot(x_lo, rot, out_dtype=tl.float32)
-                norm = tl.sqrt(tl.sum(xg * xg, 1))
-                safe = tl.where(norm > 0, norm, 1.0)
-                # u = (x @ R) * sqrt(G) / ||x|| = (x @ R*sqrt(G)) / ||x||
-                scl = tl.math.div_rn(tl.full([BLOCK_T], 1.0, tl.float32), safe)
-                u = y * scl[:, None]
-                idx, c2sum = _turbo_index(u, BOUNDS, CENT, BITS)
-                cn = tl.sqrt(c2sum)
-                corr = tl.where(norm > 0, tl.math.div_rn(norm, tl.where(cn > 0, cn, 1.0)), 0.0)
-                tl.store(SCALES + srow + g, corr.to(tl.float16), mask=tmask)
-                if BITS == 8:
-                    tl.store(CODES + crow[:, None] + (g * GB + i)[None, :], idx.to(tl.uint8), mask=m2)
-                elif BITS == 3:
-                    lo = _pack(idx & 3, BLOCK_T, G, 2)
-                    hi = _pack(idx >> 2, BLOCK_T, G, 1)
-                    jl = tl.arange(0, G // 4)
-                    jh = tl.arange(0, G // 8)
-                    tl.store(CODES + crow[:, None] + (g * GB + jl)[None, :], lo.to(tl.uint8), mask=m2)
-                    tl.store(CODES + crow[:, None] + (g * GB + G // 4 + jh)[None, :], hi.to(tl.uint8),
-                             mask=m2)
-                else:
-                    pk = _pack(idx, BLOCK_T, G, BITS)
-                    j = tl.arange(0, GB)
-                    tl.store(CODES + crow[:, None] + (g * GB + j)[None, :], pk.to(tl.uint8), mask=m2)
-        else:
-            d = tl.arange(0, D)
-            x = tl.load(X + xrow[:, None] + d[None, :], mask=m2, other=0.0).to(tl.float32)
-            if HAS_S:
-                x = x * tl.load(SCL + h * D + d)[None, :]
-            if KIND == 0:
-                tl.store(CODES + crow[:, None] + d[None, :], x.to(CODES.dtype.element_ty), mask=m2)
-            else:
-                NB: tl.constexpr = D // 32
-                x3 = tl.reshape(x, [BLOCK_T, NB, 32])
-                jb = tl.arange(0, NB)
-                if KIND == 1:
-                    q, d16 = q8_0_rows(x)
-                    tl.store(CODES + crow[:, None] + d[None, :], q, mask=m2)
-                else:
-                    ax = tl.abs(x3)
-                    pos_m = tl.argmax(ax, 2, tie_break_left=True)
-                    col = tl.arange(0, 32)
-                    m = tl.sum(tl.where(col[None, None, :] == pos_m[:, :, None], x3, 0.0), 2)
-                    d16 = (m * -0.125).to(tl.float16)
-                    df = d16.to(tl.float32)
-                    inv = tl.where(df != 0, tl.math.div_rn(tl.full([BLOCK_T, NB], 1.0, tl.float32),
-                                                           tl.where(df != 0, df, 1.0)), 0.0)
-                    q = tl.floor(x3 * inv[:, :, None] + 8.5)
-                    q = tl.minimum(tl.maximum(q, 0.0), 15.0).to(tl.int32)
-                    pk = _pack(tl.reshape(q, [BLOCK_T, D]), BLOCK_T, D, 4)
-                    j = tl.arange(0, D // 2)
-                    tl.store(CODES + crow[:, None] + j[None, :], pk.to(tl.uint8), mask=m2)
-                tl.store(SCALES + srow[:, None] + jb[None, :], d16, mask=m2)
+        _quantize_tile(X, POS, SCL, CODES, SCALES, ROT, CENT, BOUNDS, sxb, sxh, sxt, scb, sch, scs,
+                       ssb, ssh, sss, b, h, T, tile, D, BLOCK_T, KIND, BITS, G, HAS_S, SPLIT)
+
+
+@triton.jit
+def _quantize_pair_kernel(K, V, POS, SCL, KC, KS, VC, VS, ROT_K, CENT_K, BOUNDS_K,
+                          ROT_V, CENT_V, BOUNDS_V,
+                          skb, skh, skt, svb, svh, svt, kcb, kch, kcs, ksb, ksh, kss,
+                          vcb, vch, vcs, vsb, vsh, vss, HKV, T,
+                          D: tl.constexpr, BLOCK_T: tl.constexpr,
+                          KIND_K: tl.constexpr, BITS_K: tl.constexpr, G_K: tl.constexpr,
+                          HAS_S: tl.constexpr, SPLIT_K: tl.constexpr,
+                          KIND_V: tl.constexpr, BITS_V: tl.constexpr, G_V: tl.constexpr,
+                          SPLIT_V: tl.constexpr):
+    # grid (2 * B * HKV,): the first B * HKV programs encode K's rows (InnerQ scales with HAS_S),
+    # the others V's — the tile of `_quantize_kernel` for either, T <= BLOCK_T rows (one tile)
+    pid = tl.program_id(0)
+    n = tl.num_programs(0) // 2
+    bh = pid % n
+    b = bh // HKV
+    h = bh % HKV
+    if pid < n:
+        _quantize_tile(K, POS, SCL, KC, KS, ROT_K, CENT_K, BOUNDS_K, skb, skh, skt, kcb, kch, kcs,
+                       ksb, ksh, kss, b, h, T, 0, D, BLOCK_T, KIND_K, BITS_K, G_K, HAS_S, SPLIT_K)
+    else:
+        _quantize_tile(V, POS, SCL, VC, VS, ROT_V, CENT_V, BOUNDS_V, svb, svh, svt, vcb, vch, vcs,
+                       vsb, vsh, vss, b, h, T, 0, D, BLOCK_T, KIND_V, BITS_V, G_V, False, SPLIT_V)
 
 
 _ROT16: dict = {}
@@ -215,15 +250,8 @@ def quantize_into_triton(dst: Packed, x: torch.Tensor, codec, positions: torch.T
         raise ValueError("dst must be contiguous in the last dim")
     if x.stride(-1) != 1:
         x = x.contiguous()
-    dummy = placeholder(dev)
-    if meta["KIND"] == 3:
-        rot = _signed_rotation(meta["G"], dev)
-        cent, bounds = codec.tables(dev)
-        if meta["BITS"] <= 4:
-            _check_symmetric(codec)
-    else:
-        rot = cent = bounds = dummy
-    scl = innerq.to(device=dev, dtype=torch.float32).contiguous() if innerq is not None else dummy
+    rot, cent, bounds = _codec_args(codec, dev)
+    scl = innerq.to(device=dev, dtype=torch.float32).contiguous() if innerq is not None else placeholder(dev)
     turbo = meta["KIND"] == 3
     split = x.dtype != torch.float16 or innerq is not None
     cap_key = (meta["KIND"], meta["BITS"], D, x.dtype, innerq is not None, str(dev))
@@ -258,6 +286,56 @@ def quantize_into_triton(dst: Packed, x: torch.Tensor, codec, positions: torch.T
 
 
 _TILE_CAP: dict = {}  # (kind, bits, D, row dtype, InnerQ, device) -> largest tile that built
+
+#: Rows per sequence up to which `quantize_pair_triton` writes K and V in one launch (a decode or
+#: verify step's rows: one 16-row tile each, the tile `quantize_into_triton` picks for them).
+PAIR_MAX_ROWS = 16
+
+
+def _codec_args(codec, dev) -> tuple:
+    """(rot, cent, bounds) of a turbo codec for `_quantize_tile` (placeholders otherwise)."""
+    meta = codec_meta(codec)
+    if meta["KIND"] != 3:
+        dummy = placeholder(dev)
+        return dummy, dummy, dummy
+    if meta["BITS"] <= 4:
+        _check_symmetric(codec)
+    return (_signed_rotation(meta["G"], dev), *codec.tables(dev))
+
+
+def quantize_pair_triton(dst_k: Packed, k: torch.Tensor, k_codec, dst_v: Packed, v: torch.Tensor,
+                         v_codec, positions: torch.Tensor, innerq: torch.Tensor | None = None) -> bool:
+    """`quantize_into_triton` of k into dst_k (InnerQ scales innerq) and of v into dst_v at the same
+    positions int [B, T], in one launch (a step's K and V writes: one kernel instead of two,
+    each a few µs of a captured decode step). k, v [B, Hkv, T, D]; dst_* Packed leading
+    [B, Hkv, S_cap] (any batch stride, 0 included). Returns False, writing nothing, where T >
+    PAIR_MAX_ROWS (the caller then writes them apart)."""
+    B, Hkv, T, D = k.shape
+    if T > PAIR_MAX_ROWS or v.shape != k.shape:
+        return False
+    dev = k.device
+    pos = positions.to(device=dev, dtype=torch.int64).contiguous()
+    k = k if k.stride(-1) == 1 else k.contiguous()
+    v = v if v.stride(-1) == 1 else v.contiguous()
+    mk, mv = codec_meta(k_codec), codec_meta(v_codec)
+    kc, vc = dst_k.codes, dst_v.codes
+    ks = dst_k.scales if dst_k.scales is not None else kc
+    vs = dst_v.scales if dst_v.scales is not None else vc
+    if any(t.stride(-1) != 1 for t in (kc, ks, vc, vs)):
+        raise ValueError("dst must be contiguous in the last dim")
+    scl = innerq.to(device=dev, dtype=torch.float32).contiguous() if innerq is not None else placeholder(dev)
+    if B * Hkv * T:
+        cached_launch(
+            _quantize_pair_kernel, (2 * B * Hkv,), k, v, pos, scl, kc, ks, vc, vs,
+            *_codec_args(k_codec, dev), *_codec_args(v_codec, dev),
+            k.stride(0), k.stride(1), k.stride(2), v.stride(0), v.stride(1), v.stride(2),
+            kc.stride(0), kc.stride(1), kc.stride(2), ks.stride(0), ks.stride(1), ks.stride(2),
+            vc.stride(0), vc.stride(1), vc.stride(2), vs.stride(0), vs.stride(1), vs.stride(2), Hkv, T,
+            D=D, BLOCK_T=PAIR_MAX_ROWS, KIND_K=mk["KIND"], BITS_K=mk["BITS"], G_K=mk["G"],
+            HAS_S=innerq is not None, SPLIT_K=k.dtype != torch.float16 or innerq is not None,
+            KIND_V=mv["KIND"], BITS_V=mv["BITS"], G_V=mv["G"], SPLIT_V=v.dtype != torch.float16,
+            num_warps=4, enable_fp_fusion=False)
+    return True
 
 
 _SYMMETRIC: set = set()

@@ -168,8 +168,7 @@ class AgentRings:
             return seg_k, seg_v, kv_start
         enc_k = lay.codec.empty((G, lay.kv_heads, n_q), dev)
         enc_v = lay.codec.empty((G, lay.kv_heads, n_q), dev)
-        dispatch.quantize_into(enc_k, k, lay.codec, cols)
-        dispatch.quantize_into(enc_v, v, lay.codec, cols)
+        dispatch.quantize_kv_into(enc_k, k, lay.codec, enc_v, v, lay.codec, cols)
         old_k, old_v = lay.gather(gather_rows)  # before this forward's writes (a long prompt)
 
         def seg(old: Packed, enc: Packed) -> Packed:
