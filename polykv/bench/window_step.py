@@ -4,7 +4,10 @@ random weights, bf16, a 32k-token document, K q8_0 / V turbo3 — with the slidi
 kernels' windowed cascade (issue G) against the torch reference that served them before, in one
 run: eager and captured steps at 8 and 32 agents, median of 8 steps after 2 warm-ups.
 
-    PYTHONPATH=. POLYKV_CACHE_DIR=.pkvcache python3 polykv/bench/window_step.py
+    PYTHONPATH=. POLYKV_CACHE_DIR=.pkvcache python3 polykv/bench/window_step.py [--recent 8]
+
+--recent R: the pools hold recent windows of R rows (what `preset=` pools hold): a sliding layer's
+window then joins its windowed cascade as a third pass (kernels route) or the reference's merge.
 
 Writes $OUT/window_step.json (or ./window_step.json): {tag: {ms, ms_gpu, ...}}, the greedy
 tokens' agreement between the two routes, and eager vs captured logits at 32 agents
@@ -78,7 +81,7 @@ def eager_vs_graph(pool, doc: str, sfx: list, steps: int = 5) -> list:
     return rows
 
 
-def main(device: str = "cuda") -> dict:
+def main(device: str = "cuda", recent: int = 0) -> dict:
     dev = torch.device(device)
     clock = Clock(dev)
     model = build_gemma(dev)
@@ -86,9 +89,10 @@ def main(device: str = "cuda") -> dict:
     g = torch.Generator().manual_seed(3)
     ids = torch.randint(3, model.config.vocab_size, (DOC_TOKENS,), generator=g).tolist()
     sfx = torch.randint(3, model.config.vocab_size, (32, SUFFIX_TOKENS), generator=g).tolist()
-    pool = SharedKVPool(model, None, k="q8_0", v="turbo3", progress=False, prefill_chunk=4096)
+    pool = SharedKVPool(model, None, k="q8_0", v="turbo3", progress=False, prefill_chunk=4096,
+                        recent=recent)
+    res: dict = {"recent": recent}
     doc = pool.add_document(ids)
-    res: dict = {}
     orig = agent_cache.cascade_attention
 
     def run(tag: str, n: int, graphs: bool) -> None:
@@ -123,4 +127,8 @@ def main(device: str = "cuda") -> dict:
 
 
 if __name__ == "__main__":
-    main()
+    import argparse
+
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--recent", type=int, default=0)
+    main(recent=ap.parse_args().recent)

@@ -170,9 +170,7 @@ class PagedRows:
         from ..kernels import dispatch
 
         if dispatch.use_triton(k, self.k.codes):
-            G = k.shape[0]
-            dispatch.quantize_kv_into(_broadcast(self.k, G), k, self.k_codec, _broadcast(self.v, G), v,
-                                      self.v_codec, rows, innerq=self.key_scales)
+            self.target(k.shape[0], rows).write(k, v)
             return
         if self.key_scales is not None:
             k = k * self.key_scales.to(k.dtype)[None, :, None, :]
@@ -182,6 +180,14 @@ class PagedRows:
             for dst, src in ((p.codes, enc.codes), (p.scales, enc.scales)):
                 if dst is not None:
                     dst[:, idx] = src.permute(1, 0, 2, 3).reshape(self.kv_heads, idx.numel(), -1).to(dst.dtype)
+
+    def target(self, G: int, rows: torch.Tensor):
+        """The pools as the destination of G sequences' rows, row (g, t) at pool row rows[g, t]
+        (int64 [G, T]): a `dispatch.KVTarget` (keys stored with the InnerQ scales)."""
+        from ..kernels.dispatch import KVTarget
+
+        return KVTarget(_broadcast(self.k, G), self.k_codec, _broadcast(self.v, G), self.v_codec, rows,
+                        self.key_scales)
 
     def pool(self) -> tuple[Packed, Packed]:
         """K, V page pools as Packed leading [1, kv_heads, rows] (what the kernels read)."""

@@ -15,6 +15,7 @@ import functools
 import importlib.util
 import math
 import os
+from typing import NamedTuple
 
 import torch
 
@@ -421,6 +422,24 @@ def quantize_into(dst: Packed, x: torch.Tensor, codec, positions, *,
         dst.scales[bi, :, pos] = pk.scales.permute(0, 2, 1, 3)
 
 
+class KVTarget(NamedTuple):
+    """Where a step's K and V rows are written (`quantize_kv_into`'s destination): k / v Packed
+    leading [B, Hkv, S_cap] (any batch stride: 0 for a page pool every sequence writes into) in
+    k_codec / v_codec, row (b, t) at positions int64 [B, T]; keys stored as k * innerq."""
+
+    k: Packed
+    k_codec: object
+    v: Packed
+    v_codec: object
+    positions: torch.Tensor
+    innerq: torch.Tensor | None = None
+
+    def write(self, k: torch.Tensor, v: torch.Tensor) -> None:
+        """Encode k, v [B, Hkv, T, D] (true space) into the target."""
+        quantize_kv_into(self.k, k, self.k_codec, self.v, v, self.v_codec, self.positions,
+                         innerq=self.innerq)
+
+
 def quantize_kv_into(dst_k: Packed, k: torch.Tensor, k_codec, dst_v: Packed, v: torch.Tensor,
                      v_codec, positions, *, innerq: torch.Tensor | None = None) -> None:
     """`quantize_into` of k [B, Hkv, T, D] into dst_k (InnerQ s: stored k * s) and of v into dst_v
@@ -437,10 +456,12 @@ def quantize_kv_into(dst_k: Packed, k: torch.Tensor, k_codec, dst_v: Packed, v: 
 
 
 def ring_step(ring_k: Packed, ring_v: Packed, k: torch.Tensor, v: torch.Tensor, rows: torch.Tensor,
-              seg_rows: torch.Tensor, real: torch.Tensor) -> tuple[Packed, Packed]:
+              seg_rows: torch.Tensor, real: torch.Tensor,
+              pages: KVTarget | None = None) -> tuple[Packed, Packed]:
     """One decode / verify step of a q8_0 recent window (`reference.ring_step_ref` defines it):
     stores k, v [G, Hkv, n_q, D] at ring rows `rows` [G, n_q] and returns the segment of ring rows
-    `seg_rows` [G, W] as (k, v) q8_0 Packed leading [G, Hkv, W] — on the Triton path one launch
+    `seg_rows` [G, W] as (k, v) q8_0 Packed leading [G, Hkv, W]; with pages, also writes k, v to
+    that target (`KVTarget.write`, the agents' pages). On the Triton path one launch for all of it
     (`triton_ring`), where the torch ops take about fourteen."""
     G, H, _, D = k.shape
     codec = get_codec("q8_0", D)
@@ -453,9 +474,14 @@ def ring_step(ring_k: Packed, ring_v: Packed, k: torch.Tensor, v: torch.Tensor, 
         _k()
         from .triton_ring import ring_step_triton
 
-        ring_step_triton(ring_k, ring_v, k, v, rows, seg_rows, real, seg_k, seg_v)
+        if pages is not None:
+            pages = pages._replace(k_codec=as_codec(pages.k_codec, D), v_codec=as_codec(pages.v_codec, D))
+        if not ring_step_triton(ring_k, ring_v, k, v, rows, seg_rows, real, seg_k, seg_v, pages):
+            pages.write(k, v)  # more rows than one launch writes to the pages
     else:
         ref.ring_step_ref(ring_k, ring_v, k, v, rows, seg_rows, real, seg_k, seg_v)
+        if pages is not None:
+            pages.write(k, v)
     return seg_k, seg_v
 
 

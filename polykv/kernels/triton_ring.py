@@ -17,8 +17,8 @@ import triton.language as tl
 
 from ..codecs import Packed
 from .launch import launch as cached_launch
-from .triton_codec import next_pow2
-from .triton_quantize import q8_0_rows
+from .triton_codec import codec_meta, next_pow2, placeholder
+from .triton_quantize import PAIR_MAX_ROWS, _codec_args, _quantize_tile, q8_0_rows
 
 
 @triton.jit
@@ -47,8 +47,15 @@ def _encode_rows(X, x_row, jmask, RC, RS, ring_row, SC, SS, seg_row, real, D: tl
 @triton.jit
 def _ring_step_kernel(K, V, ROWS, SEG_ROWS, REAL, RKC, RKS, RVC, RVS, SKC, SKS, SVC, SVS,
                       skg, skh, skt, svg, svh, svt, HKV, RING_ROWS, NQ, W,
-                      D: tl.constexpr, NQP: tl.constexpr, WP: tl.constexpr):
+                      PPOS, PSCL, PKC, PKS, PVC, PVS, ROT_K, CENT_K, BOUNDS_K, ROT_V, CENT_V, BOUNDS_V,
+                      pkcb, pkch, pkcs, pksb, pksh, pkss, pvcb, pvch, pvcs, pvsb, pvsh, pvss,
+                      D: tl.constexpr, NQP: tl.constexpr, WP: tl.constexpr, PAGES: tl.constexpr = False,
+                      PAGE_T: tl.constexpr = 16, KIND_K: tl.constexpr = 1, BITS_K: tl.constexpr = 8,
+                      G_K: tl.constexpr = 32, HAS_S: tl.constexpr = False, SPLIT_K: tl.constexpr = False,
+                      KIND_V: tl.constexpr = 1, BITS_V: tl.constexpr = 8, G_V: tl.constexpr = 32,
+                      SPLIT_V: tl.constexpr = False):
     # program (g, h): agent g's KV head h. Ring [HKV, RING_ROWS, *]; segment [G, HKV, W, *].
+    # PAGES: the same rows also to the pages (`_quantize_tile` of quantize-on-write, positions PPOS)
     pid = tl.program_id(0)
     g = (pid // HKV).to(tl.int64)
     h = (pid % HKV).to(tl.int64)
@@ -75,22 +82,52 @@ def _ring_step_kernel(K, V, ROWS, SEG_ROWS, REAL, RKC, RKS, RVC, RVS, SKC, SKS, 
     seg_row = seg0 + W - NQ + j
     _encode_rows(K, g * skg + h * skh + j * skt, jmask, RKC, RKS, ring_row, SKC, SKS, seg_row, real, D)
     _encode_rows(V, g * svg + h * svh + j * svt, jmask, RVC, RVS, ring_row, SVC, SVS, seg_row, real, D)
+    if PAGES:
+        _quantize_tile(K, PPOS, PSCL, PKC, PKS, ROT_K, CENT_K, BOUNDS_K, skg, skh, skt, pkcb, pkch, pkcs,
+                       pksb, pksh, pkss, g, h, NQ, 0, D, PAGE_T, KIND_K, BITS_K, G_K, HAS_S, SPLIT_K)
+        _quantize_tile(V, PPOS, PSCL, PVC, PVS, ROT_V, CENT_V, BOUNDS_V, svg, svh, svt, pvcb, pvch, pvcs,
+                       pvsb, pvsh, pvss, g, h, NQ, 0, D, PAGE_T, KIND_V, BITS_V, G_V, False, SPLIT_V)
 
 
 def ring_step_triton(ring_k: Packed, ring_v: Packed, k: torch.Tensor, v: torch.Tensor,
                      rows: torch.Tensor, seg_rows: torch.Tensor, real: torch.Tensor,
-                     seg_k: Packed, seg_v: Packed) -> None:
+                     seg_k: Packed, seg_v: Packed, pages=None) -> bool:
     """See `reference.ring_step_ref` (the same arguments and effects, bit for bit): ring_k / ring_v
     q8_0 Packed leading [Hkv, ring_rows] (contiguous); k, v [G, Hkv, n_q, D] (last dim contiguous);
     rows int64 [G, n_q]; seg_rows int64 [G, W]; real bool [G, n_q]; seg_k / seg_v q8_0 Packed leading
-    [G, Hkv, W] (contiguous), written."""
+    [G, Hkv, W] (contiguous), written. pages (`dispatch.KVTarget`, codecs as Codec objects): k, v
+    also written there in the same launch — bit for bit `quantize_kv_into` — where n_q <=
+    PAIR_MAX_ROWS; returns whether pages (if any) were written."""
     G, H, NQ, D = k.shape
     W = seg_rows.shape[1]
     if k.stride(-1) != 1 or v.stride(-1) != 1:
         raise ValueError("k and v must be contiguous in the last dim")
+    fused = pages is not None and NQ <= PAIR_MAX_ROWS
+    dev = k.device
+    if fused:
+        pos = pages.positions.to(device=dev, dtype=torch.int64).contiguous()
+        pk, pv = pages.k, pages.v
+        pks = pk.scales if pk.scales is not None else pk.codes
+        pvs = pv.scales if pv.scales is not None else pv.codes
+        mk, mv = codec_meta(pages.k_codec), codec_meta(pages.v_codec)
+        scl = (pages.innerq.to(device=dev, dtype=torch.float32).contiguous() if pages.innerq is not None
+               else placeholder(dev))
+        page_args = (pos, scl, pk.codes, pks, pv.codes, pvs, *_codec_args(pages.k_codec, dev),
+                     *_codec_args(pages.v_codec, dev),
+                     *(t.stride(i) for t in (pk.codes, pks, pv.codes, pvs) for i in range(3)))
+        page_meta = dict(PAGES=True, PAGE_T=PAIR_MAX_ROWS, KIND_K=mk["KIND"], BITS_K=mk["BITS"],
+                         G_K=mk["G"], HAS_S=pages.innerq is not None,
+                         SPLIT_K=k.dtype != torch.float16 or pages.innerq is not None,
+                         KIND_V=mv["KIND"], BITS_V=mv["BITS"], G_V=mv["G"],
+                         SPLIT_V=v.dtype != torch.float16)
+    else:
+        dummy = placeholder(dev)
+        page_args, page_meta = (dummy,) * 12 + (0,) * 12, {}
     if G * H:
         cached_launch(_ring_step_kernel, (G * H,), k, v, rows.contiguous(), seg_rows.contiguous(),
                       real.contiguous(), ring_k.codes, ring_k.scales, ring_v.codes, ring_v.scales,
                       seg_k.codes, seg_k.scales, seg_v.codes, seg_v.scales, k.stride(0), k.stride(1),
                       k.stride(2), v.stride(0), v.stride(1), v.stride(2), H, ring_k.codes.shape[1],
-                      NQ, W, D=D, NQP=next_pow2(NQ), WP=next_pow2(W))
+                      NQ, W, *page_args, D=D, NQP=next_pow2(NQ), WP=next_pow2(W), **page_meta,
+                      enable_fp_fusion=False)  # quantize-on-write's exact q8_0 / turbo arithmetic
+    return fused or pages is None

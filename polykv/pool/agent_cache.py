@@ -29,6 +29,7 @@ from ..cache.layer import CompressedLayer
 from ..cache.pages import PagedRows, PageTable
 from ..codecs import Packed
 from ..hf.attention import activate
+from ..kernels import dispatch
 from ..kernels.reference import RecentSegment
 from .attention import PrefixStreamer, cascade_attention, streamed_cascade_attention
 from .residency import HostLayer
@@ -307,16 +308,24 @@ class AgentCache(Cache):
         activate(self)
         g = self._group
         if g.rows.numel():
-            self.store[layer_idx].write(key_states, value_states, g.rows)
-            if self.rings is not None:
+            store = self.store[layer_idx]
+            if self.rings is None:
+                store.write(key_states, value_states, g.rows)
+            else:
                 m = g.memo
                 if "slots" not in m:
                     sel = g.sel
                     m["slots"] = (torch.arange(sel.start, sel.stop, device=self.device)
                                   if isinstance(sel, slice) else sel)
                     m["real"] = g.rows != self.scratch_row()
+                # the page write rides on the ring step's launch on the kernels
+                on_kernels = dispatch.use_triton(key_states, store.k.codes)
+                pages = store.target(key_states.shape[0], g.rows) if on_kernels else None
+                if pages is None:
+                    store.write(key_states, value_states, g.rows)
                 self._segments[layer_idx] = self.rings.write(
-                    layer_idx, key_states, value_states, m["slots"], g.lens, m["real"], memo=m)
+                    layer_idx, key_states, value_states, m["slots"], g.lens, m["real"], memo=m,
+                    pages=pages)
         return key_states, value_states
 
     def attend(self, module, query, key, value, attention_mask, scaling=None, **kwargs):
@@ -349,8 +358,6 @@ class AgentCache(Cache):
         whole prefix; on sliding layers the prefix by the real lengths and the older suffix rows
         within W - R_l), the segment its third pass (`dispatch.cascade_attention(recent=)`). A
         streamed (host-tier) document: the segment, the streamed cascade and their merges apart."""
-        from ..kernels import dispatch
-
         g = self._group
         doc = self.doc_layers[li]
         R, W = self.ring_recent[li], self.windows[li]

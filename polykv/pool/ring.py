@@ -29,7 +29,8 @@ One forward, per layer (`AgentRings.write`, all on the device, no host value: th
 in a captured step): the new rows (real columns: write row != scratch) are encoded once to q8_0;
 the window segment of the forward is the R - 1 + n_q positions [L - n_q - R + 1, L) of each agent
 (L: its length after the forward) — the ring's rows before the write, the new columns where real —
-and the newest min(C, new) rows are stored. Attention then reads that segment causally with window
+and the newest min(C, new) rows are stored — on the kernels in one launch with the rows' page write
+(`dispatch.ring_step(pages=)`). Attention then reads that segment causally with window
 R (`kv_start` hides positions < 0); the rest is the cascade with suffix lengths L - R (query j sits
 at p_j - R there: it sees suffix rows <= p_j - R), merged by LSE (`AgentCache.attend`).
 """
@@ -139,14 +140,16 @@ class AgentRings:
             lay.copy_slot(src, dst)
 
     def write(self, li: int, k: torch.Tensor, v: torch.Tensor, slots: torch.Tensor,
-              lens: torch.Tensor, real: torch.Tensor, memo: dict | None = None):
+              lens: torch.Tensor, real: torch.Tensor, memo: dict | None = None, pages=None):
         """One forward's rows of layer li: k, v [G, Hkv, n_q, D] (true space, left-padded), slots
         int64 [G], lens int [G] (lengths after the forward), real bool [G, n_q] (column written).
         Stores the newest min(C, real columns) rows and returns the forward's window segment:
         (k, v) Packed leading [G, Hkv, R - 1 + n_q] (row i = position L - n_q - R + 1 + i, q8_0)
         and kv_start int32 [G] (rows at negative positions are not keys). memo: a dict shared by
         the layers of one forward (the same slots, lens and real): the ring rows, positions and
-        masks, which depend on those and on (R, C) only, are computed by the first layer."""
+        masks, which depend on those and on (R, C) only, are computed by the first layer.
+        pages (`dispatch.KVTarget`): the rows' page write, done here too — in the ring step's
+        launch on the kernels."""
         from ..kernels import dispatch
 
         lay = self.layers[li]
@@ -164,8 +167,11 @@ class AgentRings:
             # the segment's positions are distinct rows of the ring and every real column is kept
             # (n_q <= spare + 1: a decode or verify step): store, and read the segment as the
             # ring then holds it — one launch on the kernels (`dispatch.ring_step`)
-            seg_k, seg_v = dispatch.ring_step(lay.k, lay.v, k, v, rows, gather_rows, real.to(dev))
+            seg_k, seg_v = dispatch.ring_step(lay.k, lay.v, k, v, rows, gather_rows, real.to(dev),
+                                              pages=pages)
             return seg_k, seg_v, kv_start
+        if pages is not None:
+            pages.write(k, v)
         enc_k = lay.codec.empty((G, lay.kv_heads, n_q), dev)
         enc_v = lay.codec.empty((G, lay.kv_heads, n_q), dev)
         dispatch.quantize_kv_into(enc_k, k, lay.codec, enc_v, v, lay.codec, cols)

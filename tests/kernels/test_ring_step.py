@@ -57,3 +57,57 @@ def test_ring_step_matches_reference(n_q, R, spare, dtype):
         keep = slice(None) if got.codes.dim() == 4 else slice(0, scratch)
         assert torch.equal(got.codes[:, keep], want.codes[:, keep])
         assert torch.equal(got.scales[:, keep], want.scales[:, keep])
+
+
+@pytest.mark.parametrize("kn,vn,innerq,n_q,spare", [("q8_0", "turbo3", False, 1, 0),
+                                                    ("turbo4", "turbo3", True, 3, 2),
+                                                    ("q8_0", "q4_0", False, 17, 16)])
+def test_ring_step_writes_the_pages_in_its_launch(kn, vn, innerq, n_q, spare, monkeypatch):
+    """With pages (the agents' page pools as a `dispatch.KVTarget`) the ring step also writes the
+    rows there: the bytes of `quantize_kv_into`, in the ring step's one launch up to
+    PAIR_MAX_ROWS rows per agent (past it the pages take their own launch)."""
+    from polykv.kernels import dispatch, triton_quantize, triton_ring
+
+    names, real_launch = [], triton_ring.cached_launch
+
+    def spy(fn, grid, *args, **kw):
+        names.append(fn.fn.__name__ if hasattr(fn, "fn") else fn.__name__)
+        return real_launch(fn, grid, *args, **kw)
+
+    monkeypatch.setattr(triton_ring, "cached_launch", spy)
+    monkeypatch.setattr(triton_quantize, "cached_launch", spy)
+    g = torch.Generator().manual_seed(n_q)
+    G, H, D, R = 3, 2, 64, 2
+    C = R + spare
+    scratch = G * C
+    lens = torch.tensor([n_q + 5, n_q, n_q + 1])
+    real = torch.ones(G, n_q, dtype=torch.bool)
+    real[2, 0] = n_q == 1  # a left-padded agent where there are several columns
+    _, seg_rows, _, rows, _ = AgentRings._indices(torch.tensor([1, 0, 2]), lens, real, n_q, R, C,
+                                                 scratch, "cpu")
+    k, v = (torch.randn(G, H, n_q, D, generator=g) * 3 for _ in range(2))
+    kc, vc = get_codec(kn, D), get_codec(vn, D)
+    s = torch.rand(H, D, generator=g) + 0.5 if innerq else None
+    page_rows = torch.randperm(64, generator=g)[: G * n_q].reshape(G, n_q)
+
+    def target():
+        pk, pv = kc.empty((H, 64)), vc.empty((H, 64))
+        shared = lambda p: Packed(p.codes[None].expand(G, *p.codes.shape),  # noqa: E731
+                                  p.scales[None].expand(G, *p.scales.shape))
+        return pk, pv, dispatch.KVTarget(shared(pk), kc, shared(pv), vc, page_rows, s)
+
+    ring = [_ring(g, H, scratch + 1, D) for _ in range(2)]
+    want_ring = [_clone(p) for p in ring]
+    want_pk, want_pv, want_pages = target()
+    want_seg = dispatch.ring_step(*want_ring, k, v, rows, seg_rows, real)
+    want_pages.write(k, v)
+    names.clear()
+    got_pk, got_pv, pages = target()
+    got_seg = dispatch.ring_step(*ring, k, v, rows, seg_rows, real, pages=pages)
+    assert names == (["_ring_step_kernel"] if n_q <= triton_quantize.PAIR_MAX_ROWS
+                     else ["_ring_step_kernel", "_quantize_kernel", "_quantize_kernel"])
+    for got, want in ((got_pk, want_pk), (got_pv, want_pv), *zip(got_seg, want_seg)):
+        assert torch.equal(got.codes, want.codes) and torch.equal(got.scales, want.scales)
+    for got, want in zip(ring, want_ring):
+        assert torch.equal(got.codes[:, :scratch], want.codes[:, :scratch])
+        assert torch.equal(got.scales[:, :scratch], want.scales[:, :scratch])
