@@ -20,8 +20,7 @@ from polykv.bench.attention import _median_ms, _time, bench_one  # noqa: E402
 from polykv.codecs import CODEC_NAMES, Packed, get_codec  # noqa: E402
 from polykv.kernels import (attention_decode, attention_decode_ref, cascade_attention,  # noqa: E402
                             cascade_attention_ref, dequantize, dequantize_ref, merge_attention,
-                            merge_attention_ref, quantize_into)
-from polykv.kernels.dispatch import quantize_kv_into  # noqa: E402
+                            merge_attention_ref, quantize_into, quantize_kv_into)
 from polykv.kernels.reference import RecentSegment  # noqa: E402
 
 OUT = os.environ.get("OUT", ".")
