@@ -1,0 +1,118 @@
+"""Kernels per pool decode step, counted on the CPU through the Triton interpreter (issue F): how
+many Triton launches and how many torch ops that would each be a device kernel one eager decode
+step of a pool runs — the structure of a captured step, without a GPU (the GPU times it:
+`e2e.py`, `window_step.py`).
+
+    POLYKV_TRITON_ON_CPU=1 TRITON_INTERPRET=1 python -m polykv.bench.launch_count [--out FILE]
+
+Tiny random Llama (2 full-attention layers) and Gemma-3 (2 sliding + 1 full), head_dim 64, K q8_0 /
+V turbo3, 4 agents over a 40-token document, recent windows R = 0 and 4; the fourth step of the
+batch is counted. torch ops: aten ops other than views and allocations, outside the Triton
+launches (the interpreter's own tensor traffic is not counted). Prints one line per case and
+writes the JSON to --out.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+
+# aten ops that are no device kernel of their own (views, metadata, allocations, host reads)
+_FREE = {"view", "_unsafe_view", "reshape", "expand", "permute", "transpose", "t", "select", "slice",
+         "as_strided", "unsqueeze", "squeeze", "alias", "detach", "split", "split_with_sizes", "unbind",
+         "narrow", "lift_fresh", "_reshape_alias", "empty", "empty_strided", "empty_like", "is_nonzero",
+         "_local_scalar_dense", "item", "sym_size", "sym_stride", "size", "stride", "dim", "numel"}
+
+
+class _TorchOps(TorchDispatchMode):
+    def __init__(self, inside: list):
+        super().__init__()
+        self.inside, self.ops = inside, {}
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        name = func.overloadpacket.__name__
+        if name not in _FREE and not self.inside:
+            self.ops[name] = self.ops.get(name, 0) + 1
+        return func(*args, **(kwargs or {}))
+
+
+def _models():
+    from transformers import Gemma3ForCausalLM, Gemma3TextConfig, LlamaConfig, LlamaForCausalLM
+
+    common = dict(vocab_size=128, hidden_size=64, intermediate_size=128, num_attention_heads=2,
+                  num_key_value_heads=1, head_dim=64, pad_token_id=0, eos_token_id=1, bos_token_id=2)
+    torch.manual_seed(0)
+    yield "llama", LlamaForCausalLM(LlamaConfig(num_hidden_layers=2, max_position_embeddings=1024,
+                                                **common)).eval()
+    torch.manual_seed(0)
+    yield "gemma", Gemma3ForCausalLM(Gemma3TextConfig(
+        num_hidden_layers=3, sliding_window=8, max_position_embeddings=512,
+        layer_types=["sliding_attention", "sliding_attention", "full_attention"], **common)).eval()
+
+
+def count(recents=(0, 4), agents: int = 4) -> dict:
+    from triton.runtime.interpreter import InterpretedFunction
+
+    from polykv.kernels import use_triton
+    from polykv.pool import SharedKVPool
+
+    if not use_triton(torch.zeros(1)):
+        raise RuntimeError("run with POLYKV_TRITON_ON_CPU=1 TRITON_INTERPRET=1 (the interpreter)")
+    launches, inside, run = [], [], InterpretedFunction.run
+
+    def recorded(fn, *a, **k):
+        launches.append(fn.__name__)
+        inside.append(1)
+        try:
+            return run(fn, *a, **k)
+        finally:
+            inside.pop()
+
+    res = {}
+    InterpretedFunction.run = recorded
+    try:
+        for name, model in _models():
+            for R in recents:
+                pool = SharedKVPool(model, None, k="q8_0", v="turbo3", progress=False, recent=R)
+                g = torch.Generator().manual_seed(1)
+                doc = pool.add_document(torch.randint(3, 120, (40,), generator=g).tolist())
+                with torch.inference_mode(), pool.open_batch(doc, capacity=agents, seq_capacity=40,
+                                                             graphs=False) as b:
+                    for n in (5, 1, 11, 3)[:agents]:
+                        b.add(torch.randint(3, 120, (n,), generator=g).tolist())
+                    toks = b.step_tokens()
+                    for _ in range(3):
+                        b.feed(toks)
+                        toks = b.step_tokens()
+                    b.feed(toks)
+                    launches.clear()
+                    with _TorchOps(inside) as ops:
+                        b.step_tokens()
+                kernels = {k: launches.count(k) for k in sorted(set(launches))}
+                res[f"{name}_R{R}"] = dict(layers=model.config.num_hidden_layers, triton=len(launches),
+                                           triton_by_kernel=kernels, torch_ops=sum(ops.ops.values()),
+                                           torch_by_op=ops.ops)
+                print(f"{name} R={R}: {len(launches)} Triton launches {kernels}, "
+                      f"{sum(ops.ops.values())} torch ops", flush=True)
+                pool.close()
+    finally:
+        InterpretedFunction.run = run
+    return res
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--out", default=None)
+    a = ap.parse_args()
+    torch.set_num_threads(1)
+    res = count()
+    if a.out:
+        with open(a.out, "w") as f:
+            json.dump(res, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
