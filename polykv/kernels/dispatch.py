@@ -216,9 +216,9 @@ def cascade_attention(q: torch.Tensor, prefix_k: Packed | None, prefix_v: Packed
     recent: a recent window's segment (`reference.RecentSegment`, R = recent.window; the prefix
     whole) merged in by LSE — on the kernels a third split pass joined by the same combine
     (polykv.pool.ring: the window and the cascade in one epilogue). suffix_lens are then the
-    lengths of the rows older than the segment (max(0, L - R)); with window, the prefix is seen
-    from the agents' real lengths (`RecentSegment.lengths`) and those older rows within the
-    window's other window - R positions (R < window).
+    lengths of the rows older than the segment (max(0, L - R)); with window (R < window), the
+    prefix is seen from the agents' real lengths (`RecentSegment.lengths`) and the older rows
+    within the window - R positions before each query's segment.
     Returns out [N, Hq, n_q, D] (q.dtype), lse float32 [N, Hq, n_q]."""
     if recent is not None and prefix_chunks is not None:
         raise ValueError("recent= joins a cascade over a whole prefix only (not prefix_chunks)")
