@@ -414,6 +414,28 @@ def window_bench():
                                                                    window=W), 3, 10)
         r = dict(agents=agents, prefix=P, window=W, ms=ms, ms_eager=ms_eager, ms_ref=ms_ref,
                  ms_ref_eager=ms_ref_eager, speedup=ms_ref / ms)
+        # with a recent window (R = 8, a decode step): the window as the cascade's third pass
+        # (session 14) against the route it replaced — a prefix-only windowed cascade, the older
+        # suffix rows' decode, the segment's decode and two LSE merges — in the same run
+        R, rc = 8, get_codec("q8_0", 256)
+        seg = RecentSegment(rc.encode(rnd(agents, 1, R, 256)), rc.encode(rnd(agents, 1, R, 256)), rc, R,
+                            torch.zeros(agents, dtype=torch.int32, device=DEV))
+        older = lens - R
+        none = (slice(None), slice(None), slice(0, 0))
+
+        def fused():
+            return cascade_attention(q, pk, pv, sk, sv, older, kc, vc, window=W, recent=seg)
+
+        def apart():
+            o, l = cascade_attention(q, pk, pv, sk.index(none), sv.index(none), lens, kc, vc, window=W)
+            o_s, l_s = attention_decode(q, sk, sv, kc, vc, kv_lens=older, window=W - R)
+            o_r, l_r = attention_decode(q, seg.k, seg.v, rc, rc, window=R, kv_start=seg.kv_start)
+            return merge_attention(*merge_attention(o, l, o_s, l_s), o_r, l_r)
+
+        (o, _), (o2, _) = fused(), apart()
+        check(f"window cascade + recent, fused = apart, {agents} agents", rel(o, o2) <= 1e-2, rel=rel(o, o2))
+        r["ms_recent"], r["ms_recent_eager"] = _time(fused, 10, 50)
+        r["ms_recent_apart"], r["ms_recent_apart_eager"] = _time(apart, 10, 50)
         RES["window"].append(r)
         log(r)
 
@@ -446,8 +468,16 @@ def table():
             lines.append(f"  agents {r['agents']:>3}: {r['ms'] * 1e3:>8.1f} us  torch reference "
                          f"{r['ms_ref'] * 1e3:>8.1f} us  x{r['speedup']:.1f}  (eager {r['ms_eager'] * 1e3:.1f}"
                          f" / {r['ms_ref_eager'] * 1e3:.1f} us)")
+            if "ms_recent" in r:
+                lines.append(f"    + recent window R=8: third pass {r['ms_recent'] * 1e3:.1f} us, apart "
+                             f"{r['ms_recent_apart'] * 1e3:.1f} us (eager {r['ms_recent_eager'] * 1e3:.1f}"
+                             f" / {r['ms_recent_apart_eager'] * 1e3:.1f} us)")
     lines.append("quantize-on-write:")
     for r in RES["quantize"]:
+        if "case" in r:
+            lines.append(f"  {r['case']}: one launch {r['ms_one_launch'] * 1e3:.1f} us, two "
+                         f"{r['ms_two_launches'] * 1e3:.1f} us")
+            continue
         if "block_t" in r:
             continue
         lines.append(f"  {r['codec']:>7} B{r['B']:>3} T{r['T']:>6}: {r['ms'] * 1e3:>8.1f} us "
