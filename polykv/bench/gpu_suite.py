@@ -360,6 +360,37 @@ def quantize_bench():
     ms1, _ = _time(paired, 25, 100)
     RES["quantize"].append(dict(case="kv step write 32 agents", ms_two_launches=ms2, ms_one_launch=ms1))
     log(f"K+V step write, 32 agents: two launches {ms2 * 1e3:.1f} us, one {ms1 * 1e3:.1f} us")
+    # with a recent window (R = 8): the page write inside the ring step's launch vs after it
+    from polykv.kernels.dispatch import KVTarget, ring_step
+    from polykv.pool.ring import AgentRings
+
+    R, rq = 8, get_codec("q8_0", 128)
+    _, seg_rows, _, ring_rows, _ = AgentRings._indices(
+        torch.arange(G, device=DEV), torch.full((G,), 100, device=DEV), torch.ones(G, 1, dtype=torch.bool,
+                                                                                   device=DEV), 1, R, R, G * R, DEV)
+    rings = {m: (rq.empty((8, G * R + 1), device=DEV), rq.empty((8, G * R + 1), device=DEV)) for m in (1, 2)}
+    real = torch.ones(G, 1, dtype=torch.bool, device=DEV)
+
+    def target(pair):
+        return KVTarget(shared(pair[0]), kc, shared(pair[1]), vc, pos)
+
+    def ring_fused():
+        return ring_step(*rings[1], k, v, ring_rows, seg_rows, real, pages=target(one))
+
+    def ring_apart():
+        seg = ring_step(*rings[2], k, v, ring_rows, seg_rows, real)
+        target(two).write(k, v)
+        return seg
+
+    a, b = ring_fused(), ring_apart()
+    same = all(torch.equal(x.codes, y.codes) and torch.equal(x.scales, y.scales)
+               for x, y in (*zip(a, b), *zip(one, two)))
+    check("ring step + page write in one launch = apart (32 agents, R = 8)", same)
+    ms1, _ = _time(ring_fused, 25, 100)
+    ms2, _ = _time(ring_apart, 25, 100)
+    RES["quantize"].append(dict(case="ring step + page write 32 agents", ms_two_launches=ms2,
+                                ms_one_launch=ms1))
+    log(f"ring step + page write, 32 agents: one launch {ms1 * 1e3:.1f} us, apart {ms2 * 1e3:.1f} us")
 
 
 @section("window")
