@@ -467,12 +467,12 @@ def bench_serve_ray(configs="1x1,1x2,2x1", n_clients: int = 16, requests_per_cli
     if own_ray:
         ray.init(num_cpus=max(cores, max(r * t for r, t in configs)), include_dashboard=False,
                  logging_level="ERROR", log_to_driver=False)
-    port = free_port()
-    serve.start(http_options={"host": "127.0.0.1", "port": port})
-    url = f"http://127.0.0.1:{port}"
     name = str(model or "smollm2-135m")
     rows = []
-    try:
+    try:  # whatever fails (an actor dying under load, in serve.start too), the Ray we started stops
+        port = free_port()
+        serve.start(http_options={"host": "127.0.0.1", "port": port})
+        url = f"http://127.0.0.1:{port}"
         for replicas, threads in configs:
             log(f"bench serve --ray: {replicas} replica(s) x {threads} thread(s): deploying")
             serve.run(build_app(replicas=replicas, cpus_per_replica=threads, torch_threads=threads, model=model,
@@ -483,9 +483,11 @@ def bench_serve_ray(configs="1x1,1x2,2x1", n_clients: int = 16, requests_per_cli
             finally:
                 serve.delete("polykv")
     finally:
-        serve.shutdown()
-        if own_ray:
-            ray.shutdown()
+        try:
+            serve.shutdown()
+        finally:
+            if own_ray:
+                ray.shutdown()
     singles = [r["tok_per_s"] for r in rows if r["replicas"] == 1 and r["tok_per_s"]]
     multis = [r["tok_per_s"] for r in rows if r["replicas"] > 1 and r["tok_per_s"]]
     ratio = round(max(multis) / max(singles), 3) if singles and multis else None

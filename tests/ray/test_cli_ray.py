@@ -61,3 +61,23 @@ def test_bench_serve_ray_small_run():
     (docs,) = row["placement"].values()
     assert len(docs) == 2 and row["prefills"] == 2 and row["loads"] == 0
     assert out["ratio"] is None and out["lost"] == 0
+
+
+def test_bench_serve_ray_stops_its_ray_when_serve_fails(monkeypatch):
+    """A failure inside the run (here Serve's start; under load an actor dying) still shuts down the
+    Ray instance the bench started: a leaked one made every later `ray.init` in the session fail."""
+    ray = pytest.importorskip("ray")
+    from ray import serve
+
+    from polykv.bench.serve import bench_serve_ray
+
+    if ray.is_initialized():
+        pytest.skip("a Ray instance is already running in this process")
+
+    def dead(**kw):
+        raise RuntimeError("the Serve controller died")
+
+    monkeypatch.setattr(serve, "start", dead)
+    with pytest.raises(RuntimeError, match="controller died"):
+        bench_serve_ray(configs="1x1", n_clients=1, requests_per_client=1, max_tokens=1)
+    assert not ray.is_initialized()
