@@ -85,9 +85,7 @@ class AnchoredKVCache(KVCache):
         return super().update(key_states, value_states, layer_idx, *args, **kwargs)
 
     def attend(self, module, query, key, value, attention_mask, scaling=None, **kwargs):
-        if self._static is not None or _fused_available(query):
-            raise NotImplementedError("AnchoredKVCache simulates anchors on the materialize path only "
-                                      "(CPU); the fused path never decodes rows")
+        materialize_only(self, query, "AnchoredKVCache simulates anchors")
         layer = self.layers[module.layer_idx]
         store = layer.store
         new = key.shape[2]
@@ -115,6 +113,14 @@ class AnchoredKVCache(KVCache):
 
         return attend_decoding(self, store, anchored, module, query, key, value, attention_mask,
                                scaling=scaling, **kwargs)
+
+
+def materialize_only(cache: KVCache, query: torch.Tensor, what: str) -> None:
+    """Refuse the fused path for a simulation (`what`): it changes rows the materialize path
+    (`KVCache.attend` on CPU) decodes, and the fused path never decodes rows."""
+    if cache._static is not None or _fused_available(query):
+        raise NotImplementedError(f"{what} on the materialize path only (CPU); the fused path never "
+                                  "decodes rows")
 
 
 def attend_decoding(cache: KVCache, store, decode_rows, module, query, key, value, attention_mask,

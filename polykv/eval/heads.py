@@ -27,8 +27,8 @@ from dataclasses import dataclass, field
 
 import torch
 
-from ..hf.kv_cache import KVCache, _fused_available
-from .anchors import attend_decoding
+from ..hf.kv_cache import KVCache
+from .anchors import attend_decoding, materialize_only
 
 
 @dataclass(frozen=True)
@@ -147,9 +147,7 @@ class HeadTypedKVCache(KVCache):
         return super().update(key_states, value_states, layer_idx, *args, **kwargs)
 
     def attend(self, module, query, key, value, attention_mask, scaling=None, **kwargs):
-        if self._static is not None or _fused_available(query):
-            raise NotImplementedError("HeadTypedKVCache simulates per-head types on the materialize path "
-                                      "only (CPU); the fused path never decodes rows")
+        materialize_only(self, query, "HeadTypedKVCache simulates per-head types")
         i = module.layer_idx
         d = self._diff.get(i)
         if d is None:

@@ -39,8 +39,8 @@ from dataclasses import dataclass, field, replace
 import torch
 
 from ..codecs import check_codec_name, get_codec
-from ..hf.kv_cache import KVCache, _fused_available
-from .anchors import attend_decoding
+from ..hf.kv_cache import KVCache
+from .anchors import attend_decoding, materialize_only
 
 SELECT = ("rms", "mean_abs", "var", "first")
 CALIB_TOKENS = 2048
@@ -209,9 +209,7 @@ class OutlierKVCache(KVCache):
         return super().update(key_states, value_states, layer_idx, *args, **kwargs)
 
     def attend(self, module, query, key, value, attention_mask, scaling=None, **kwargs):
-        if self._static is not None or _fused_available(query):
-            raise NotImplementedError("OutlierKVCache simulates V outliers on the materialize path only "
-                                      "(CPU); the fused path never decodes rows")
+        materialize_only(self, query, "OutlierKVCache simulates V outliers")
         i = module.layer_idx
         if i not in self._split:
             return super().attend(module, query, key, value, attention_mask, scaling=scaling, **kwargs)

@@ -27,6 +27,19 @@ def tiny(tok):
 
 
 @pytest.fixture(scope="module")
+def model():
+    """A tiny random Llama with head_dim 64 (turbo rows of 32 / 64 channels) and sharp attention, so
+    a simulation's errors stand well above float noise (test_heads.py, test_outliers.py)."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    cfg = LlamaConfig(vocab_size=128, hidden_size=128, intermediate_size=128, num_hidden_layers=3,
+                      num_attention_heads=4, num_key_value_heads=2, head_dim=64, max_position_embeddings=512,
+                      initializer_range=0.3)
+    return LlamaForCausalLM(cfg).eval()
+
+
+@pytest.fixture(scope="module")
 def tiny_dir(tiny, tok, tmp_path_factory):
     """The tiny model and the tokenizer as a local HF directory (for `--model DIR` through the CLI)."""
     d = tmp_path_factory.mktemp("tiny")

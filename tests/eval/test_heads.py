@@ -20,17 +20,6 @@ PREFIX = 96
 
 
 @pytest.fixture(scope="module")
-def model():
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    torch.manual_seed(0)
-    cfg = LlamaConfig(vocab_size=128, hidden_size=128, intermediate_size=128, num_hidden_layers=3,
-                      num_attention_heads=4, num_key_value_heads=2, head_dim=64, max_position_embeddings=512,
-                      initializer_range=0.3)  # sharp attention: errors well above float noise
-    return LlamaForCausalLM(cfg).eval()
-
-
-@pytest.fixture(scope="module")
 def ids():
     return torch.randint(3, 120, (128,), generator=torch.Generator().manual_seed(3)).tolist()
 
