@@ -303,6 +303,29 @@ def _codec_args(codec, dev) -> tuple:
     return (_signed_rotation(meta["G"], dev), *codec.tables(dev))
 
 
+def pair_args(dst_k: Packed, k_codec, dst_v: Packed, v_codec, positions: torch.Tensor,
+              innerq: torch.Tensor | None, k_dtype: torch.dtype, v_dtype: torch.dtype, dev) -> tuple:
+    """What `_quantize_tile` needs to write K rows (dtype k_dtype) to dst_k and V rows to dst_v at
+    positions int [B, T], as the kernels that run it for both take it (`_quantize_pair_kernel`,
+    `triton_ring._ring_step_kernel`): (head, strides, consts) — head: positions, InnerQ scales, K's
+    codes and scales, V's, then K's and V's rotation / centroids / bounds; strides: the four
+    destination tensors' first three strides; consts: the codecs' constexprs."""
+    kc, vc = dst_k.codes, dst_v.codes
+    ks = dst_k.scales if dst_k.scales is not None else kc
+    vs = dst_v.scales if dst_v.scales is not None else vc
+    if any(t.stride(-1) != 1 for t in (kc, ks, vc, vs)):
+        raise ValueError("dst must be contiguous in the last dim")
+    pos = positions.to(device=dev, dtype=torch.int64).contiguous()
+    scl = innerq.to(device=dev, dtype=torch.float32).contiguous() if innerq is not None else placeholder(dev)
+    head = (pos, scl, kc, ks, vc, vs, *_codec_args(k_codec, dev), *_codec_args(v_codec, dev))
+    strides = tuple(t.stride(i) for t in (kc, ks, vc, vs) for i in range(3))
+    mk, mv = codec_meta(k_codec), codec_meta(v_codec)
+    consts = dict(KIND_K=mk["KIND"], BITS_K=mk["BITS"], G_K=mk["G"], HAS_S=innerq is not None,
+                  SPLIT_K=k_dtype != torch.float16 or innerq is not None,
+                  KIND_V=mv["KIND"], BITS_V=mv["BITS"], G_V=mv["G"], SPLIT_V=v_dtype != torch.float16)
+    return head, strides, consts
+
+
 def quantize_pair_triton(dst_k: Packed, k: torch.Tensor, k_codec, dst_v: Packed, v: torch.Tensor,
                          v_codec, positions: torch.Tensor, innerq: torch.Tensor | None = None) -> bool:
     """`quantize_into_triton` of k into dst_k (InnerQ scales innerq) and of v into dst_v at the same
@@ -313,28 +336,15 @@ def quantize_pair_triton(dst_k: Packed, k: torch.Tensor, k_codec, dst_v: Packed,
     B, Hkv, T, D = k.shape
     if T > PAIR_MAX_ROWS or v.shape != k.shape:
         return False
-    dev = k.device
-    pos = positions.to(device=dev, dtype=torch.int64).contiguous()
     k = k if k.stride(-1) == 1 else k.contiguous()
     v = v if v.stride(-1) == 1 else v.contiguous()
-    mk, mv = codec_meta(k_codec), codec_meta(v_codec)
-    kc, vc = dst_k.codes, dst_v.codes
-    ks = dst_k.scales if dst_k.scales is not None else kc
-    vs = dst_v.scales if dst_v.scales is not None else vc
-    if any(t.stride(-1) != 1 for t in (kc, ks, vc, vs)):
-        raise ValueError("dst must be contiguous in the last dim")
-    scl = innerq.to(device=dev, dtype=torch.float32).contiguous() if innerq is not None else placeholder(dev)
+    head, strides, consts = pair_args(dst_k, k_codec, dst_v, v_codec, positions, innerq, k.dtype, v.dtype,
+                                      k.device)
     if B * Hkv * T:
         cached_launch(
-            _quantize_pair_kernel, (2 * B * Hkv,), k, v, pos, scl, kc, ks, vc, vs,
-            *_codec_args(k_codec, dev), *_codec_args(v_codec, dev),
-            k.stride(0), k.stride(1), k.stride(2), v.stride(0), v.stride(1), v.stride(2),
-            kc.stride(0), kc.stride(1), kc.stride(2), ks.stride(0), ks.stride(1), ks.stride(2),
-            vc.stride(0), vc.stride(1), vc.stride(2), vs.stride(0), vs.stride(1), vs.stride(2), Hkv, T,
-            D=D, BLOCK_T=PAIR_MAX_ROWS, KIND_K=mk["KIND"], BITS_K=mk["BITS"], G_K=mk["G"],
-            HAS_S=innerq is not None, SPLIT_K=k.dtype != torch.float16 or innerq is not None,
-            KIND_V=mv["KIND"], BITS_V=mv["BITS"], G_V=mv["G"], SPLIT_V=v.dtype != torch.float16,
-            num_warps=4, enable_fp_fusion=False)
+            _quantize_pair_kernel, (2 * B * Hkv,), k, v, *head,
+            k.stride(0), k.stride(1), k.stride(2), v.stride(0), v.stride(1), v.stride(2), *strides, Hkv, T,
+            D=D, BLOCK_T=PAIR_MAX_ROWS, **consts, num_warps=4, enable_fp_fusion=False)
     return True
 
 

@@ -17,8 +17,8 @@ import triton.language as tl
 
 from ..codecs import Packed
 from .launch import launch as cached_launch
-from .triton_codec import codec_meta, next_pow2, placeholder
-from .triton_quantize import PAIR_MAX_ROWS, _codec_args, _quantize_tile, q8_0_rows
+from .triton_codec import next_pow2, placeholder
+from .triton_quantize import PAIR_MAX_ROWS, _quantize_tile, pair_args, q8_0_rows
 
 
 @triton.jit
@@ -105,21 +105,9 @@ def ring_step_triton(ring_k: Packed, ring_v: Packed, k: torch.Tensor, v: torch.T
     fused = pages is not None and NQ <= PAIR_MAX_ROWS
     dev = k.device
     if fused:
-        pos = pages.positions.to(device=dev, dtype=torch.int64).contiguous()
-        pk, pv = pages.k, pages.v
-        pks = pk.scales if pk.scales is not None else pk.codes
-        pvs = pv.scales if pv.scales is not None else pv.codes
-        mk, mv = codec_meta(pages.k_codec), codec_meta(pages.v_codec)
-        scl = (pages.innerq.to(device=dev, dtype=torch.float32).contiguous() if pages.innerq is not None
-               else placeholder(dev))
-        page_args = (pos, scl, pk.codes, pks, pv.codes, pvs, *_codec_args(pages.k_codec, dev),
-                     *_codec_args(pages.v_codec, dev),
-                     *(t.stride(i) for t in (pk.codes, pks, pv.codes, pvs) for i in range(3)))
-        page_meta = dict(PAGES=True, PAGE_T=PAIR_MAX_ROWS, KIND_K=mk["KIND"], BITS_K=mk["BITS"],
-                         G_K=mk["G"], HAS_S=pages.innerq is not None,
-                         SPLIT_K=k.dtype != torch.float16 or pages.innerq is not None,
-                         KIND_V=mv["KIND"], BITS_V=mv["BITS"], G_V=mv["G"],
-                         SPLIT_V=v.dtype != torch.float16)
+        head, strides, consts = pair_args(pages.k, pages.k_codec, pages.v, pages.v_codec, pages.positions,
+                                          pages.innerq, k.dtype, v.dtype, dev)
+        page_args, page_meta = (*head, *strides), dict(PAGES=True, PAGE_T=PAIR_MAX_ROWS, **consts)
     else:
         dummy = placeholder(dev)
         page_args, page_meta = (dummy,) * 12 + (0,) * 12, {}
