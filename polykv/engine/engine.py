@@ -266,6 +266,9 @@ class Engine:
         # pipelined batches: key -> (PendingTokens of the step in flight, seconds of its launch when
         # no step was read with it: reported with its read)
         self._ahead: dict[Any, tuple[Any, float]] = {}
+        # speculating batches: key -> seconds of the host work that prepared the next step (`_apply`
+        # after the last: rules, record, drafting, feed), timed with that step (spec/adaptive.py)
+        self._prep: dict[Any, float] = {}
         self._live: dict[tuple, _Live] = {}  # (key, aid) -> state
         self._doc_users: dict[Any, int] = {}  # document -> live+waiting requests
         self._users_lock = threading.Lock()
@@ -526,6 +529,7 @@ class Engine:
         for key in [k for k, b in self._batches.items() if len(b) == 0]:
             self._close_batch(self._batches.pop(key))
             self._specs.pop(key, None)
+            self._prep.pop(key, None)
             self._ahead.pop(key, None)  # its ids in flight belong to agents gone
 
     def _new_batch(self, key):
@@ -595,6 +599,7 @@ class Engine:
                 if batch is None or len(batch) == 0:
                     continue
             spec = self._specs.get(key)
+            prep = self._prep.pop(key, 0.0)
             if spec is not None:  # a decode step (no prompt prefilled in it) prices draft columns
                 mine = [st for (k, _), st in self._live.items() if k == key]
                 timed = all(st.tokens for st in mine)
@@ -608,11 +613,14 @@ class Engine:
                 batch = self._batches.get(key)
                 if batch is None:
                     continue
-            dt = time.perf_counter() - t0
-            if spec is not None and timed:
-                spec.observe_step(width, dt, agents=len(logits))
+            t1 = time.perf_counter()
+            dt = t1 - t0
+            if spec is not None and timed:  # the step's whole host + device time, its preparation in
+                spec.observe_step(width, prep + dt, agents=len(logits))
             self._stepped(dt, len(logits))
             self._apply(key, batch, logits)
+            if key in self._specs:
+                self._prep[key] = time.perf_counter() - t1
         self._close_empty()
 
     def _apply(self, key, batch, logits: dict) -> None:

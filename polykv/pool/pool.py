@@ -719,9 +719,12 @@ class SharedKVPool:
                 steps = self._decode_pipelined(batch, outs, live, max_new_tokens, eos, stops, times, step_s)
                 peak = batch.peak_bytes
             drafted: dict[int, int] = {}
+            # a step's time: from the previous step's ids on the host to its own (the pipelined
+            # loop's basis): its inputs' host work (the last ids' rules, `record`, drafting, `feed`)
+            # and its launch and wait, billed to the width its drafts made (spec/adaptive.py)
+            t_read, captured = time.perf_counter(), batch.graph_captures
             while live:
-                n_step, captured = len(live), batch.graph_captures
-                t_step = time.perf_counter()
+                n_step = len(live)
                 width = max(drafted.values(), default=0)
                 if spec is None:
                     chosen = {a: [t] for a, t in batch.step_tokens().items()}
@@ -731,9 +734,11 @@ class SharedKVPool:
                     chosen = pending.result()  # waits for the ids; acceptance, rollback
                 else:
                     chosen = batch.step_verify()
-                step_s.append((width, time.perf_counter() - t_step))  # each step ends in a copy to the host
+                now = time.perf_counter()  # each step ends in a copy to the host
+                step_s.append((width, now - t_read))
                 # timed: decode steps (the first step prefills the prompts) that captured no graph
                 timed = steps > 0 and batch.graph_captures == captured
+                t_read, captured = now, batch.graph_captures
                 if spec is not None:
                     if timed:
                         spec.observe_step(width, step_s[-1][1], agents=n_step)

@@ -18,6 +18,32 @@ and width, kept per document across generate calls), and before a width is seen,
 T(w) = t0·(1 + c·w) through the measured ones (c fitted from at least two widths, else the device
 prior). w = 0 is a plain decode step for everyone.
 
+What T(w) covers (one basis for every width): the whole wall of one step of the loop that runs it,
+from the previous step's ids on the host to this step's — the host work that prepares its inputs
+(the last ids' stop rules, `Speculator.record`, drafting, the planner, `feed`), its launch and the
+wait for its ids — billed to the width its drafts made. That is the pipelined plain loop's period
+between reads (`SharedKVPool._decode_pipelined`), which feeds T(0) from plain calls. Before issue I's
+fix (session 15) a speculative step was timed from its launch to its ids only: drafting, record and
+feed were left out of T(w > 0) while T(0) from plain calls held all the host work, so speculation
+looked cheaper than it was. The engine times its speculating batches the same way (`_apply` after a
+step + the next step). Graph-capturing steps and the prompts' prefill stay untimed.
+
+w = 0 inside the speculative loop versus plain decoding: a w = 0 step of the speculative loop is
+synchronous (its host work and the device's take turns) where the pipelined plain loop overlaps
+them, so on a GPU it costs more than a plain call's step (on the CPU the two are nearly the same:
+the forward is host work either way). The planner chooses among the steps its own loop can run, so
+the T(0) it needs is the speculative loop's: (1) such a step drafts nothing when the planner knows
+before drafting that it will be plain (`WidthPlanner.plain_ahead`: backed off and waiting, and
+even full drafts would not pay; or calibrating), so drafting is billed only to the widths that
+use it and "don't speculate" saves it; (2) T(0) is never extrapolated from wider steps (their time
+holds the drafting): a bucket with widths measured but no T(0) runs one plain step to measure it
+(calibrating). T(0)'s window (the last 16 plain steps) starts from plain calls' pipelined steps
+when there were some, the bar a speculative call must clear (a conservative start on a GPU), and
+the speculative loop's own plain steps replace them as they run. Whether to speculate at all rather
+than decode plain and pipelined is the caller's choice: a speculative call that the planner keeps
+plain runs slower than a plain call on a GPU (the synchronous loop), by the host work it no longer
+overlaps.
+
 a is estimated from what the agent has seen (exponentially decayed counts, a Beta(1, 1) prior):
 accepted drafts and rejections (a step that stops before its last draft has one rejection; a fully
 accepted step has none) — the maximum-likelihood estimate of a geometric run length.
@@ -320,23 +346,57 @@ class WidthPlanner:
                 w = j
         return w, scores
 
+    def _calibrating(self, n: int) -> bool:
+        """T(0) of this agent bucket never measured while another width is: the next step is plain
+        (one step measures what not speculating costs; it is never extrapolated from wider steps,
+        whose time holds the drafting that a plain step skips)."""
+        return self.cost is None and self.times.estimate(n, 0) is None and bool(self.times.seen(n))
+
+    def plain_ahead(self, bound, n_agents: int) -> bool:
+        """Before drafting: whether the next step is plain whatever the drafts turn out to be, so
+        nothing need be drafted. bound: a function giving (acceptance, the most drafts it may have)
+        of every drafting agent, called only while the planner is off (backed off, waiting or just
+        probed): if w = 0 wins with these, it wins with the real drafts (fewer drafts only lower a
+        wider step's score), and `choose` would have returned 0 with this very state change (the
+        wait goes down; a failed probe doubles it first). Also True while calibrating T(0)."""
+        if self._calibrating(int(n_agents)):
+            return True
+        if not (self._off and (self.wait > 0 or self._probed)):
+            return False
+        agents = bound()
+        if not agents or self.best(agents, max(len(agents), int(n_agents)))[0] > 0:
+            return False
+        if self._probed:  # the probe did not bring the acceptance back (as `choose`)
+            self._probed = False
+            self.probe = min(self.max_probe, 2 * self.probe)
+            self.wait = self.probe
+        self.wait -= 1
+        return True
+
     def choose(self, agents: list[tuple[float, int]], n_agents: int | None = None) -> int:
         """The width of the next step (0 = plain): `best`, with the back-off's probes while it is 0.
-        A probe's width is probe_k (capped by k_max and the longest draft available)."""
+        A probe's width is probe_k (capped by k_max and the longest draft available); a step
+        without drafts available is plain and probes nothing (it still counts in the wait)."""
+        n = max(len(agents), int(n_agents) if n_agents is not None else len(agents))
+        if self._calibrating(n):
+            return 0
         avail = max((k for _, k in agents), default=0)
-        w, _ = self.best(agents, n_agents)
+        w, _ = self.best(agents, n)
         probed, self._probed = self._probed, False
-        if w > 0 or avail == 0:
-            if w > 0:
-                self._off, self.probe, self.wait = False, self.probe0, 0
+        if w > 0:
+            self._off, self.probe, self.wait = False, self.probe0, 0
             return w
-        if not self._off:  # just turned plain: wait before the first probe
-            self._off, self.wait = True, self.probe
+        if not self._off:
+            if avail == 0:  # nothing drafted: nothing decided
+                return 0
+            self._off, self.wait = True, self.probe  # just turned plain: wait before the first probe
         elif probed:  # the probe did not bring the acceptance back: wait longer
             self.probe = min(self.max_probe, 2 * self.probe)
             self.wait = self.probe
         if self.wait > 0:
             self.wait -= 1
+            return 0
+        if avail == 0:  # the probe waits for a step with drafts
             return 0
         self._probed = True
         return min(self.probe_k, self.k_max, avail)

@@ -5,7 +5,7 @@
                       times=doc_step_times)   # StepTimes kept across calls (optional)
     spec.add(key, prompt_ids, cfg)            # an agent and its suffix prompt
     spec.record(key, emitted, drafted)        # after a step: acceptance, contexts, outputs tree
-    spec.observe_step(width, seconds, agents) # a timed decode step (no prefill, no graph capture)
+    spec.observe_step(width, seconds, agents) # a decode step's whole wall, drafting in (no prefill, no capture)
     spec.ahead()                              # overlap mode: while the device runs a step
     drafts = spec.propose_all({key: limit})   # every agent's guesses for the next step, one width
     drafts = spec.propose(key, limit)         # one agent's guesses, its own AdaptiveLength
@@ -176,11 +176,17 @@ class Speculator:
         the `WidthPlanner` picks the step's width w from the measured step times (`observe_step`)
         and the agents' acceptance and cuts the adaptive agents' drafts to w (0: plain decoding for
         all; agents of a fixed length keep theirs). agents: every agent of the step (default: the
-        keys), those without drafts emit one token each. Returns {key: drafts} (maybe empty)."""
+        keys), those without drafts emit one token each. Returns {key: drafts} (maybe empty).
+        When the planner knows before any drafting that the step will be plain
+        (`WidthPlanner.plain_ahead`: measuring T(0), or backed off), the adaptive agents draft
+        nothing: a plain step of the speculative loop costs no drafting."""
         out = {}
         adaptive, wants, fixed_w = [], [], 0  # one pass over the agents: drafts, then what the planner needs
         get, draft, tree = self._agents.get, self._draft, self.tree if self.tree is not None else False
         lagged = self.overlap  # read the tree as `ahead` left it (the handle lacks the last step)
+        planner = self.planner
+        plain = planner is not None and planner.plain_ahead(
+            lambda: self._most_drafts(limits), agents if agents is not None else len(limits))
         for key, limit in limits.items():
             st = get(key)
             if st is None:
@@ -189,6 +195,8 @@ class Speculator:
             k = length.k_max
             if limit < k:
                 k = int(limit)
+            if plain and not length.fixed:
+                k = 0
             drafter = st.drafter
             kind = type(drafter)
             if k <= 0:
@@ -209,14 +217,25 @@ class Speculator:
                 adaptive.append(key)
                 acc = length.acc
                 wants.append((acc / (acc + length.rej), len(d)))  # length.acceptance, inlined
-        if self.planner is None or not adaptive:
+        if planner is None or not adaptive:
             return out
-        w = self.planner.choose(wants, agents if agents is not None else len(limits))
+        w = 0 if plain else planner.choose(wants, agents if agents is not None else len(limits))
         self.widths[w] += 1
         w = max(w, fixed_w)  # free up to there
         for k, (_, n) in zip(adaptive, wants):
             if n > w:
                 out[k] = out[k][:w]
+        return out
+
+    def _most_drafts(self, limits: dict) -> list[tuple[float, int]]:
+        """(acceptance, the most drafts it may have) of every adaptive agent in `limits`: the bound
+        `WidthPlanner.plain_ahead` decides on before anything is drafted."""
+        out = []
+        for key, limit in limits.items():
+            st = self._agents.get(key)
+            if st is not None and not st.length.fixed:
+                length = st.length
+                out.append((length.acceptance, max(0, min(length.k_max, int(limit)))))
         return out
 
     def record(self, key, emitted: list[int], drafted: int) -> None:
@@ -248,7 +267,9 @@ class Speculator:
         """A timed batch decode step of `agents` agents (default: the agents added and not removed)
         whose widest agent verified `width` drafts (0: plain): into `times` (the planner's T(w))
         and `StepCost` (agents whose config left cost_per_draft unset draft by the cost measured so
-        far). Leave out steps that prefilled prompts or captured a graph."""
+        far). seconds: the step's whole wall, the host work that prepared it included (from the
+        previous step's ids to its own: `record`, `propose_all`, the feed; adaptive.py's module
+        doc). Leave out steps that prefilled prompts or captured a graph."""
         self.times.observe(agents if agents is not None else max(1, len(self._agents)), width, seconds)
         self.step_cost.observe(width, seconds)  # its agents read the fit when they next need it
 
