@@ -136,6 +136,9 @@ def calibrate(
                                       "(docs/quality.md: measured, did not improve the code-needle gate)"),
     copy_prompts: int = typer.Option(8, "--copy-prompts", help="--bits: needle prompts of the "
                                      "copying signal (one per code kind in turn)"),
+    per_head: bool = typer.Option(False, "--per-head", help="--bits: measure and allocate per (layer, KV "
+                                  "head) instead of per layer (KVCache stores each head at its type; "
+                                  "SharedKVPool allocates the table collapsed to layers)"),
     json_out: bool = typer.Option(False, "--json"),
 ):  # --copy-weight / --copy-prompts defaults = hf.precision.COPY_WEIGHT / COPY_PROMPTS (no torch import here)
     """Calibrate InnerQ key scales from real keys of a model and save the table; with --bits, also the
@@ -164,7 +167,7 @@ def calibrate(
         copy = copy_examples(tok, copy_prompts) if copy_weight > 0 else None
         prec = measure_sensitivity(m, tok, ids[-(prefix_tokens + scored_tokens):], innerq=table,
                                    prefix=prefix_tokens, progress=not json_out, copy_weight=copy_weight,
-                                   copy=copy)
+                                   copy=copy, per_head=per_head)
         try:
             policy = prec.add_policy(bits)
         except ValueError as e:

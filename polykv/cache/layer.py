@@ -207,11 +207,15 @@ class CompressedLayer:
             return 0
         return self.keys().nbytes() + self.values().nbytes()
 
+    def tensors(self) -> list[torch.Tensor]:
+        """The packed storage tensors (none before the first write)."""
+        if self.k is None:
+            return []
+        return [t for t in (self.k.codes, self.k.scales, self.v.codes, self.v.scales) if t is not None]
+
     def nbytes(self) -> int:
         """Measured bytes of the packed storage (allocated capacity included)."""
-        if self.k is None:
-            return 0
-        return storage_bytes([self.k.codes, self.k.scales, self.v.codes, self.v.scales])
+        return storage_bytes(self.tensors())
 
 
 def _round_up(n: int) -> int:

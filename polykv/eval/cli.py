@@ -52,16 +52,17 @@ ANCHORS_HELP = ("simulate anchors on the cache under test (measurement only, CPU
                 "the N rows before each chunk read at that precision; adds the JSON field 'anchors'")
 
 
-HEADS_HELP = ("simulate per-head K/V types (measurement only, CPU materialize path; polykv/eval/heads.py): "
-              "'TABLE@BITS' = a per-head precision table (measure_sensitivity(per_head=True)) allocated at "
-              "BITS bits/value; replaces the per-layer types, keeps the ring; adds the JSON field 'head_types'")
+HEADS_HELP = ("per-head K/V types (polykv/eval/heads.py): 'TABLE@BITS' = a per-head precision table "
+              "(polykv calibrate --per-head) allocated at BITS bits/value and stored head by head; replaces "
+              "the per-layer types, keeps the ring; adds the JSON field 'head_types'")
 
 
 def _heads(spec: Optional[str], anc):
     if not spec:
         return None
     if anc is not None:
-        raise typer.BadParameter("--head-types and --anchors are two simulations: one at a time")
+        raise typer.BadParameter("--head-types and --anchors: one at a time (anchors simulate on a "
+                                 "per-layer cache)")
     from .heads import HeadTypes
 
     try:
@@ -81,7 +82,7 @@ def _head_fields(r: dict, ht, model, recent: int) -> None:
     r.pop("anchors", None)
     r["head_types"] = {**ht.as_dict(), "recent": recent,
                        "ratio_expected": round(ht.ratio_expected(model_layout(model), recent), 4)}
-    r["precision"] = {"source": "head_types", "reason": "--head-types (simulated per-head types)"}
+    r["precision"] = {"source": "head_types", "reason": "--head-types (per-head types)"}
 
 
 OUTLIERS_HELP = ("simulate V outlier channels (measurement only, CPU materialize path; polykv/eval/outliers.py): "

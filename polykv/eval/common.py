@@ -81,15 +81,14 @@ def make_cache(model, k: str, v: str, innerq=None, keep_layers_q8: int = 0, over
                recent: int = 0):
     """overrides: {layer: (k, v)} per-layer types (e.g. a preset's calibrated precision policy);
     anchors: a simulation on the cache under test (measurement only; None: a KVCache) —
-    polykv.eval.anchors.Anchors (anchor rows; no ring) or polykv.eval.heads.HeadTypes (per-head types,
-    which replace `overrides`; the ring kept); recent: R, the recent window held as storage
-    (`KVCache(..., recent=R)`)."""
+    polykv.eval.anchors.Anchors (anchor rows; no ring); or polykv.eval.heads.HeadTypes, per-head types
+    stored for real (not a simulation: they replace `overrides`, the ring kept); recent: R, the recent
+    window held as storage (`KVCache(..., recent=R)`)."""
     from ..hf.kv_cache import KVCache
-    from .heads import HeadTypedKVCache, HeadTypes
+    from .heads import HeadTypes
 
     if isinstance(anchors, HeadTypes):
-        return HeadTypedKVCache(model, k=k, v=v, innerq=innerq, keep_layers_q8=keep_layers_q8,
-                                heads=anchors, recent=recent)
+        overrides, anchors = anchors.overrides(), None
     if anchors is not None:
         from .anchors import AnchoredKVCache
 

@@ -143,7 +143,7 @@ class DecodeGraph:
     attention_mask: the prompt's 2D mask [B, prompt_len] (1 = token) of a left-padded batch; the
     static step then reads each sequence from its first token on.
     Modes: "captured" (CUDA graph replay), "static" (the same static-input step run eagerly: CPU,
-    or capture=False), "eager" (plain forward: models with sliding-window layers).
+    or capture=False), "eager" (plain forward: models with sliding-window layers, caches with per-head types).
     """
 
     def __init__(self, model, cache, max_new_tokens: int, warmup: int = 2,
@@ -153,7 +153,7 @@ class DecodeGraph:
         self.model, self.cache = model, cache
         self.batch = cache.layers[0].store.batch
         self.limit = cache.layers[0].store.length + int(max_new_tokens)
-        if any(lay.is_sliding for lay in cache.layers):
+        if any(lay.is_sliding or lay.mixed for lay in cache.layers):  # no static step for these
             self.mode = "eager"
             return
         capture = _capturable(cache) if capture is None else bool(capture)

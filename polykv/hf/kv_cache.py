@@ -29,7 +29,7 @@ from pathlib import Path
 import torch
 from transformers.cache_utils import Cache, CacheLayerMixin
 
-from ..cache import CompressedLayer, RecentRing, storage_bytes
+from ..cache import CompressedLayer, HeadGroupedLayer, RecentRing, storage_bytes
 from ..codecs import CODEC_NAMES, CodecError, InnerQTable, check_codec_name, get_codec
 from ..codecs.rotation import rotate, unrotate
 from .attention import activate, use_polykv_attention
@@ -131,20 +131,40 @@ def _resolve_innerq(innerq, model, k: str) -> InnerQTable | None:
 
 
 class PolyKVLayer(CacheLayerMixin):
-    """One attention layer of a KVCache: a CompressedLayer, nothing dense kept between calls."""
+    """One attention layer of a KVCache: a CompressedLayer, nothing dense kept between calls.
+
+    head_types: [kv_heads] (k, v) pairs when the layer's heads differ in type (`k` / `v` are then
+    ignored): the layer stores a `polykv.cache.HeadGroupedLayer` and attends in true space on the
+    materialize path, group by group on the fused one (`_decode_stored`); `k_codec` / `v_codec` are
+    None; k_type / v_type list the heads' types joined by ",". A list of one pair for every head is
+    the uniform layer."""
 
     is_compileable = False
     is_croppable = True
     supports_early_init = False
 
     def __init__(self, layout: LayerLayout, k: str, v: str, key_scales: torch.Tensor | None = None,
-                 device=None, recent: int = 0):
+                 device=None, recent: int = 0, head_types=None):
         super().__init__()
         self.layout = layout
-        self.k_type, self.v_type = k, v
-        self.k_codec = get_codec(k, layout.head_dim)
-        self.v_codec = get_codec(v, layout.head_dim)
-        if key_scales is not None and not self.k_codec.rotated:
+        if head_types is not None:
+            head_types = tuple((str(hk), str(hv)) for hk, hv in head_types)
+            if len(head_types) != layout.num_kv_heads:
+                raise ValueError(f"layer {layout.index}: {len(head_types)} head types for "
+                                 f"{layout.num_kv_heads} KV heads")
+            if len(set(head_types)) == 1:
+                (k, v), head_types = head_types[0], None
+        self.head_types = head_types
+        if head_types is None:
+            self.k_type, self.v_type = k, v
+            self.k_codec = get_codec(k, layout.head_dim)
+            self.v_codec = get_codec(v, layout.head_dim)
+            k_turbo = self.k_codec.rotated
+        else:
+            self.k_type, self.v_type = (",".join(t[i] for t in head_types) for i in (0, 1))
+            self.k_codec = self.v_codec = None
+            k_turbo = any(get_codec(hk, layout.head_dim).rotated for hk, _ in head_types)
+        if key_scales is not None and not k_turbo:
             key_scales = None  # InnerQ applies only to turbo keys
         if key_scales is not None and tuple(key_scales.shape) != (layout.num_kv_heads, layout.head_dim):
             raise ValueError(f"InnerQ table for layer {layout.index} has shape {tuple(key_scales.shape)}, "
@@ -170,13 +190,29 @@ class PolyKVLayer(CacheLayerMixin):
         ring = f", recent={self.recent}" if self.recent else ""
         return f"PolyKVLayer({self.k_type}/{self.v_type}, sliding={self.sliding_window}{ring})"
 
+    @property
+    def mixed(self) -> bool:
+        """The layer's KV heads are stored at different types (`head_types`)."""
+        return self.head_types is not None
+
+    def attends_rotated(self, rotated_attention: bool = True) -> tuple[bool, bool]:
+        """(k_rot, v_rot): whether the materialize path attends to K (V) in its codec's rotated
+        domain. A mixed layer's heads are stored in different domains: true space for both."""
+        if self.mixed:
+            return False, False
+        return rotated_attention and self.k_codec.rotated, rotated_attention and self.v_codec.rotated
+
     # --- transformers layer API ------------------------------------------------------------
     def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
         self.dtype = key_states.dtype
         if self.device is None:
             self.device = key_states.device
         b, h = key_states.shape[0], key_states.shape[1]
-        self.store = CompressedLayer(self.k_codec, self.v_codec, b, h, self.device, self.key_scales)
+        if self.mixed:
+            self.store = HeadGroupedLayer(self.head_types, self.layout.head_dim, b, self.device,
+                                          self.key_scales)
+        else:
+            self.store = CompressedLayer(self.k_codec, self.v_codec, b, h, self.device, self.key_scales)
         if self.recent:
             self.ring = RecentRing(self.recent, self.layout.head_dim, b, h, self.device)
         self.is_initialized = True
@@ -226,7 +262,7 @@ class PolyKVLayer(CacheLayerMixin):
         InnerQ-scaled and rotated, turbo V rotated (rotated results are float32; callers cast)."""
         if k_rot:
             if self.key_scales is not None:
-                # storage-domain keys are K*s (InnerQ): the query carries 1/s
+                # storage-domain keys are K*s (InnerQ): the query carries 1/s (k_rot: never mixed)
                 k = k * self.key_scales.to(device=k.device, dtype=k.dtype)[None, :, None, :]
             k = rotate(k, self.k_codec.group)
         if v_rot:
@@ -309,7 +345,7 @@ class PolyKVLayer(CacheLayerMixin):
             self.ring.write(k, v, start)
 
     def _select(self, index: torch.Tensor) -> None:
-        if self.store is not None and self.store.k is not None:
+        if self.store is not None and self.store.capacity:
             self.flush_ring()
             self.store.select_batch(index.to(self.store.device))
             if self.ring is not None:
@@ -319,7 +355,7 @@ class PolyKVLayer(CacheLayerMixin):
         self._select(beam_idx)
 
     def batch_repeat_interleave(self, repeats: int) -> None:
-        if self.store is not None and self.store.k is not None:
+        if self.store is not None and self.store.capacity:
             self._select(torch.arange(self.store.batch).repeat_interleave(repeats))
 
     def batch_select_indices(self, indices: torch.Tensor) -> None:
@@ -331,11 +367,47 @@ class PolyKVLayer(CacheLayerMixin):
         return storage_bytes(self.tensors())
 
     def tensors(self) -> list[torch.Tensor]:
-        s = self.store
-        if s is None or s.k is None:
+        if self.store is None:
             return []
-        ring = [] if self.ring is None else self.ring.tensors()
-        return [t for t in (s.k.codes, s.k.scales, s.v.codes, s.v.scales) if t is not None] + ring
+        main = self.store.tensors()
+        return main + (self.ring.tensors() if main and self.ring is not None else [])
+
+
+def _override(entry, lay: LayerLayout) -> tuple[str, str, tuple | None]:
+    """(k, v, head_types) of one `overrides` entry: a (k, v) pair, or one pair per KV head."""
+    if len(entry) == 2 and all(isinstance(t, str) for t in entry):
+        return str(entry[0]), str(entry[1]), None
+    heads = tuple(tuple(p) for p in entry)
+    if len(heads) != lay.num_kv_heads or any(len(p) != 2 for p in heads):
+        raise ValueError(f"overrides[{lay.index}]: expected (k, v) or {lay.num_kv_heads} (k, v) pairs "
+                         f"(one per KV head), got {entry!r}")
+    return heads[0][0], heads[0][1], heads
+
+
+def _decode_stored(layer: PolyKVLayer, query: torch.Tensor, rows: int, **kw):
+    """`dispatch.attention_decode` of query [B, Hq, n_q, D] over the layer's stored rows [0, rows):
+    (out [B, Hq, n_q, D], lse float32 [B, Hq, n_q]). A mixed layer (per-head types) runs one call
+    per group of heads: the group's query heads gathered (GQA: q head j reads KV head j // (Hq /
+    Hkv)), its own codecs and InnerQ scales, outputs and LSEs scattered back to their heads."""
+    from ..kernels import dispatch
+
+    store = layer.store
+    sl = (slice(None), slice(None), slice(0, int(rows)))
+    if not layer.mixed:
+        return dispatch.attention_decode(query, store.k.index(sl), store.v.index(sl), layer.k_codec,
+                                         layer.v_codec, k_innerq=layer.key_scales, **kw)
+    G = query.shape[1] // store.kv_heads
+    out = lse = None
+    for _, index, g in store.groups:
+        qi = (index[:, None] * G + torch.arange(G, device=index.device)).flatten().to(query.device)
+        o, l = dispatch.attention_decode(query.index_select(1, qi), g.k.index(sl), g.v.index(sl), g.k_codec,
+                                         g.v_codec, k_innerq=g.key_scales, **kw)
+        if out is None:
+            out = o.new_empty(o.shape[0], query.shape[1], *o.shape[2:])
+            lse = l.new_empty(l.shape[0], query.shape[1], *l.shape[2:])
+        out.index_copy_(1, qi, o)
+        lse.index_copy_(1, qi, l)
+    return out, lse
 
 
 class KVCache(Cache):
@@ -346,7 +418,10 @@ class KVCache(Cache):
     innerq:          None | "auto" | path | InnerQTable — key channel scales, used only for turbo K.
     device:          where the compressed storage lives (default: where the K/V come from).
     keep_layers_q8:  the first n and the last n layers store K and V as q8_0.
-    overrides:       {layer_index: (k, v)} per-layer types (applied after keep_layers_q8).
+    overrides:       {layer_index: (k, v)} per-layer types (applied after keep_layers_q8), or
+                     {layer_index: [(k, v), ...]} one pair per KV head (per-head types: the layer
+                     stores its heads by type, `PolyKVLayer.head_types`; a fused decode runs one
+                     kernel per group of heads; DecodeGraph runs such caches eagerly).
     rotated_attention: run turbo K/V attention in the rotated domain (default True).
     precision:       for preset="balanced" / "max" without k= / v=: "auto" (default) takes per-layer
                      types from the model's calibrated precision table when one exists
@@ -383,20 +458,21 @@ class KVCache(Cache):
         table = _resolve_innerq(innerq, model, k)
         layers = []
         for lay in layout:
-            kt, vt = policy[lay.index] if policy else (k, v)
+            kt, vt, heads = _override(policy[lay.index], lay) if policy else (k, v, None)
             if keep and (lay.index < keep or lay.index >= n - keep):
-                kt, vt = "q8_0", "q8_0"
+                kt, vt, heads = "q8_0", "q8_0", None
             if overrides and lay.index in overrides:
-                kt, vt = overrides[lay.index]
-                check_codec_name(kt)
-                check_codec_name(vt)
-            try:
-                get_codec(kt, lay.head_dim)
-                get_codec(vt, lay.head_dim)
-            except CodecError as e:
-                raise CodecError(f"layer {lay.index} (head_dim {lay.head_dim}): {e}") from None
+                kt, vt, heads = _override(overrides[lay.index], lay)
+            for hk, hv in heads or ((kt, vt),):
+                check_codec_name(hk)
+                check_codec_name(hv)
+                try:
+                    get_codec(hk, lay.head_dim)
+                    get_codec(hv, lay.head_dim)
+                except CodecError as e:
+                    raise CodecError(f"layer {lay.index} (head_dim {lay.head_dim}): {e}") from None
             scales = table.layer(lay.index) if table is not None else None
-            layers.append(PolyKVLayer(lay, kt, vt, scales, device, recent))
+            layers.append(PolyKVLayer(lay, kt, vt, scales, device, recent, head_types=heads))
         super().__init__(layers=layers)
         self.k_type, self.v_type = k, v
         self.recent = recent
@@ -446,8 +522,7 @@ class KVCache(Cache):
                 # a batch: left padding from the mask's last query row, read in the kernel
                 return self._attend_fused(layer, query, scaling, left_padding(attention_mask))
         dtype = query.dtype
-        k_rot = self.rotated_attention and layer.k_codec.rotated
-        v_rot = self.rotated_attention and layer.v_codec.rotated
+        k_rot, v_rot = layer.attends_rotated(self.rotated_attention)
         # with a ring, the last r rows before this chunk come from it (q8_0), the rest from the
         # layer's codec; the ring's write of this chunk is still pending (flushed below)
         r = layer.ring_rows()
@@ -482,8 +557,6 @@ class KVCache(Cache):
         row, including this step's (written compressed by `update`), in-register. Every sequence of
         a batch has the same number of rows (query j at row length - n_q + j); kv_start int32 [B]
         marks each one's left padding (rows before it are not keys)."""
-        from ..kernels import dispatch
-
         store = layer.store
         if layer.ring is not None:
             layer.flush_ring()  # the ring holds this step's rows too: main [0, L - R) + ring [L - R, L)
@@ -491,10 +564,8 @@ class KVCache(Cache):
                                     kv_start)
             layer.apply_pending_trim()
             return out
-        out, _ = dispatch.attention_decode(
-            query, store.keys(), store.values(), layer.k_codec, layer.v_codec, causal=True,
-            sm_scale=scaling, window=layer.sliding_window, k_innerq=layer.key_scales,
-            kv_start=kv_start)
+        out, _ = _decode_stored(layer, query, store.length, causal=True, sm_scale=scaling,
+                                window=layer.sliding_window, kv_start=kv_start)
         layer.apply_pending_trim()
         return out.transpose(1, 2)
 
@@ -528,10 +599,8 @@ class KVCache(Cache):
                 kv_lens=main_len.clamp_min(0).to(torch.int32), causal=False, sm_scale=scaling,
                 k_innerq=layer.key_scales, kv_start=kv_start)
         elif main_len > 0:
-            sl = (slice(None), slice(None), slice(0, main_len))
-            out_m, lse_m = dispatch.attention_decode(
-                query, store.k.index(sl), store.v.index(sl), layer.k_codec, layer.v_codec,
-                causal=False, sm_scale=scaling, k_innerq=layer.key_scales, kv_start=kv_start)
+            out_m, lse_m = _decode_stored(layer, query, main_len, causal=False, sm_scale=scaling,
+                                          kv_start=kv_start)
         else:
             return out_r.transpose(1, 2)
         out, _ = dispatch.merge_attention(out_m, lse_m, out_r, lse_r)
@@ -583,6 +652,8 @@ class KVCache(Cache):
             row = {"layer": layer.layout.index, "k": layer.k_type, "v": layer.v_type,
                    "sliding_window": layer.sliding_window, "rows": rows,
                    "bytes": layer.nbytes(), "bytes_used": u + ring_used}
+            if layer.mixed:
+                row["head_types"] = [list(t) for t in layer.head_types]
             if layer.ring is not None:
                 row.update(recent=layer.recent, ring_bytes=layer.ring.nbytes())
             per_layer.append(row)

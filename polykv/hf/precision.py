@@ -50,12 +50,14 @@ scales/norms, DESIGN §3) for the layer's head_dim; the average weighs each laye
 holds at `ctx` tokens (kv_heads x head_dim x rows; a sliding layer holds at most window - 1 rows),
 i.e. it is the bits/value `KVCache.memory_report()` measures on a ctx-token window.
 
-Per head (`measure_sensitivity(..., per_head=True)`, measurement only). The same measurement with
-one row per (layer, KV head): only that head's rows of the layer stored as the type. The allocation
-is unchanged (rows are units; a head weighs its share of the layer's values), so the same bits can go
-to the heads that matter instead of to whole layers. A KVCache stores one type per layer, so such a
-table is not loaded by presets; `polykv.eval.heads` simulates what a cache holding those per-head types
-would score (docs/quality.md, "Per-head types, simulated").
+Per head (`measure_sensitivity(..., per_head=True)`, `polykv calibrate --per-head`). The same
+measurement with one row per (layer, KV head): only that head's rows of the layer stored as the type
+(meta "kv_heads": the heads of each layer). The allocation is unchanged (rows are units; a head weighs
+its share of the layer's values), so the same bits can go to the heads that matter instead of to
+whole layers. Its policy's `overrides()` gives {layer: [(k, v) per head]}, which a KVCache stores head
+by head (`polykv.cache.HeadGroupedLayer`). A SharedKVPool stores one type per layer: it allocates the
+table collapsed to layers (`PrecisionTable.per_layer`: a layer's error is the sum of its heads', as
+measured: median ratio 1.02, docs/quality.md "Per-head types, simulated").
 
 A preset that states a ratio (`Preset.ratio`, balanced) pays for its recent ring from the table, per
 model (`preset_policy`, `ratio_budget`): the budget is 16 / (ratio x (1 + RATIO_MARGIN)) minus the
@@ -96,27 +98,47 @@ CTX = 2048
 _EPS = 1e-9
 
 
+def head_rows(kv_heads) -> list[range]:
+    """The rows of each layer in a per-head table (layer-major): kv_heads [2, 3] -> [0:2, 2:5]."""
+    out, u = [], 0
+    for n in kv_heads:
+        out.append(range(u, u + int(n)))
+        u += int(n)
+    return out
+
+
 @dataclass(frozen=True)
 class Policy:
-    """Per-layer (k, v) types chosen for a bits/value budget."""
+    """(k, v) types chosen for a bits/value budget: one per layer, or with `kv_heads` (a per-head
+    table) one per (layer, KV head), layer-major."""
 
     bits_target: float
     bits_achieved: float
     predicted_error: float
     types: tuple[tuple[str, str], ...]
+    kv_heads: tuple[int, ...] | None = None
 
-    def overrides(self) -> dict[int, tuple[str, str]]:
-        """{layer: (k, v)} for `KVCache(..., overrides=...)`."""
-        return {i: kv for i, kv in enumerate(self.types)}
+    def overrides(self) -> dict[int, tuple[str, str] | list[tuple[str, str]]]:
+        """{layer: (k, v)} for `KVCache(..., overrides=...)`; per head, {layer: [(k, v) per head]}
+        where a layer's heads differ."""
+        if self.kv_heads is None:
+            return {i: kv for i, kv in enumerate(self.types)}
+        out = {}
+        for i, rows in enumerate(head_rows(self.kv_heads)):
+            heads = [self.types[r] for r in rows]
+            out[i] = heads[0] if len(set(heads)) == 1 else heads
+        return out
 
     def to_json(self) -> dict:
-        return {"bits_target": self.bits_target, "bits_achieved": self.bits_achieved,
-                "predicted_error": self.predicted_error, "types": [list(t) for t in self.types]}
+        d = {"bits_target": self.bits_target, "bits_achieved": self.bits_achieved,
+             "predicted_error": self.predicted_error, "types": [list(t) for t in self.types]}
+        return d if self.kv_heads is None else {**d, "kv_heads": list(self.kv_heads)}
 
     @classmethod
     def from_json(cls, d: dict) -> "Policy":
+        heads = d.get("kv_heads")
         return cls(float(d["bits_target"]), float(d["bits_achieved"]), float(d["predicted_error"]),
-                   tuple((str(k), str(v)) for k, v in d["types"]))
+                   tuple((str(k), str(v)) for k, v in d["types"]), None if heads is None else tuple(heads))
 
 
 @dataclass
@@ -139,7 +161,29 @@ class PrecisionTable:
 
     @property
     def layers(self) -> int:
+        """Rows of the table: layers, or (layer, KV head) pairs of a per-head table."""
         return len(self.weight)
+
+    @property
+    def kv_heads(self) -> tuple[int, ...] | None:
+        """The KV heads of each layer for a per-head table (rows layer-major), else None."""
+        heads = self.meta.get("kv_heads")
+        return None if heads is None else tuple(int(h) for h in heads)
+
+    def per_layer(self) -> "PrecisionTable":
+        """A per-head table collapsed to one row per layer: weights and errors summed over the
+        layer's heads (errors add up: module docstring), bits as they are (one head_dim per layer).
+        A per-layer table is returned as is."""
+        if self.kv_heads is None:
+            return self
+        rows = head_rows(self.kv_heads)
+        k_err = [{t: sum(self.k_error[r][t] for r in rr) for t in self.k_types} for rr in rows]
+        v_err = [{t: sum(self.v_error[r][t] for r in rr) for t in self.v_types} for rr in rows]
+        meta = {k: v for k, v in self.meta.items() if k not in ("kv_heads", "signals")}
+        return PrecisionTable(bits=[self.bits[rr[0]] for rr in rows],
+                              weight=[sum(self.weight[r] for r in rr) for rr in rows], k_error=k_err,
+                              v_error=v_err, k_types=self.k_types, v_types=self.v_types,
+                              meta={**meta, "collapsed": "per_head"}, path=self.path)
 
     # --- bits --------------------------------------------------------------------------------
     def average_bits(self, types) -> float:
@@ -198,7 +242,7 @@ class PrecisionTable:
             cur[i]["kv".index(side)] = t
         types = tuple((k, v) for k, v in cur)
         err = sum(self.k_error[i][k] + self.v_error[i][v] for i, (k, v) in enumerate(types))
-        return Policy(bits, self.average_bits(types), err, types)
+        return Policy(bits, self.average_bits(types), err, types, self.kv_heads)
 
     def reweigh(self, copy_weight: float) -> "PrecisionTable":
         """The same measurement with another weight of the copying signal (policies dropped); needs a
@@ -514,11 +558,14 @@ def load_precision(model, path=None) -> PrecisionTable | None:
             raise FileNotFoundError(f"precision table not found: {p}")
         return None
     table = PrecisionTable.load(p)
-    if "kv_heads" in table.meta:
-        raise ValueError(f"precision table {p} has per-head types (measurement only: polykv.eval.heads); "
-                         "a KVCache stores one type per layer")
-    n = len(model_layout(model))
-    if table.layers != n:
+    layout = model_layout(model)
+    n = len(layout)
+    heads = table.kv_heads
+    if heads is not None:
+        if list(heads) != [lay.num_kv_heads for lay in layout] or sum(heads) != table.layers:
+            raise ValueError(f"per-head precision table {p}: kv_heads {list(heads)} ({table.layers} rows) "
+                             f"do not match the model's {[lay.num_kv_heads for lay in layout]}")
+    elif table.layers != n:
         raise ValueError(f"precision table {p} has {table.layers} layers, the model {n}")
     key = innerq_key(model)
     if path is None and table.meta.get("model") not in (None, key):
@@ -558,8 +605,8 @@ def ratio_budget(layout, ratio: float, recent: int, ctx: int = CTX, margin: floa
     return 16.0 / (float(ratio) * (1.0 + m)) - ring_bits(layout, int(recent), ctx)
 
 
-def preset_policy(model, preset_name: str, precision="auto", recent: int | None = None
-                  ) -> tuple[dict | None, dict]:
+def preset_policy(model, preset_name: str, precision="auto", recent: int | None = None,
+                  per_head: bool = True) -> tuple[dict | None, dict]:
     """(overrides or None, info) for a preset: the calibrated table's allocation at the preset's
     budget when the preset has one and a table exists, else None (the preset's fixed types).
     precision: "auto" (precision_path), None (fixed types), a path or a PrecisionTable.
@@ -570,7 +617,9 @@ def preset_policy(model, preset_name: str, precision="auto", recent: int | None 
     gate length (presets.GATE_CTX) for the model's layout and ring R (recent; None: the preset's R),
     at most `Preset.bits`; info records it as bits_target, with the ring's cost ("ring": rows,
     bits/value, ctx) and the expected ratio (16 / (bits_achieved + ring bits)). A budget under the
-    table's cheapest types allocates those, and info's ratio_expected says what is held."""
+    table's cheapest types allocates those, and info's ratio_expected says what is held.
+    per_head: a per-head table gives per-head overrides (KVCache); False allocates it collapsed to
+    layers (`PrecisionTable.per_layer`: a SharedKVPool stores one type per layer)."""
     from ..presets import GATE_CTX, PRESETS, RATIO_MARGIN
 
     p = PRESETS[preset_name]
@@ -585,6 +634,9 @@ def preset_policy(model, preset_name: str, precision="auto", recent: int | None 
     if table is None:
         return None, {"source": "fixed", "reason": f"no calibrated table at {precision_path(model)} "
                       "(polykv calibrate --bits B)"}
+    measured_per_head = table.kv_heads is not None
+    if not per_head:
+        table = table.per_layer()
     extra: dict = {}
     budget = p.bits
     if p.ratio is not None:
@@ -602,6 +654,8 @@ def preset_policy(model, preset_name: str, precision="auto", recent: int | None 
     pol = table.allocate(budget)
     info = {"source": "calibrated", "path": table.path, "bits_target": round(pol.bits_target, 4),
             "bits_achieved": round(pol.bits_achieved, 4), "types": [list(t) for t in pol.types]}
+    if measured_per_head:  # types: one pair per (layer, head) when per_head, else per layer
+        info["per_head"] = pol.kv_heads is not None
     if extra:
         info.update(extra)
         info["ratio_expected"] = round(16.0 / (pol.bits_achieved + ring), 4)
@@ -609,7 +663,7 @@ def preset_policy(model, preset_name: str, precision="auto", recent: int | None 
 
 
 def preset_precision(model, preset: str | None, fixed_by: str | None, precision="auto",
-                     recent: int | None = None) -> tuple[dict | None, dict | None]:
+                     recent: int | None = None, per_head: bool = True) -> tuple[dict | None, dict | None]:
     """What a cache, pool or eval command built with `preset=` stores: (None, None) without a preset;
     the preset's fixed pair when the caller fixed types by hand (`fixed_by` says how, e.g.
     "explicit k= / v=": info {"source": "fixed", "reason": fixed_by}); else `preset_policy` (recent:
@@ -618,20 +672,24 @@ def preset_precision(model, preset: str | None, fixed_by: str | None, precision=
         return None, None
     if fixed_by:
         return None, {"source": "fixed", "reason": fixed_by}
-    return preset_policy(model, str(preset), precision, recent)
+    return preset_policy(model, str(preset), precision, recent, per_head)
 
 
 def policy_summary(policy: Policy) -> dict:
-    """JSON fields of a policy for the CLI: bits_target, bits_achieved, per-layer types."""
+    """JSON fields of a policy for the CLI: bits_target, bits_achieved, per-layer types (per
+    (layer, head) for a per-head policy: each entry also has "head")."""
     counts: dict[str, int] = {}
     for k, v in policy.types:
         counts[f"{k}/{v}"] = counts.get(f"{k}/{v}", 0) + 1
+    rows = [{"layer": i} for i in range(len(policy.types))]
+    if policy.kv_heads is not None:
+        rows = [{"layer": i, "head": h} for i, n in enumerate(policy.kv_heads) for h in range(n)]
     return {"bits_target": policy.bits_target, "bits_achieved": round(policy.bits_achieved, 4),
             "predicted_error": policy.predicted_error,
-            "layer_types": [{"layer": i, "k": k, "v": v} for i, (k, v) in enumerate(policy.types)],
+            "layer_types": [{**r, "k": k, "v": v} for r, (k, v) in zip(rows, policy.types)],
             "type_counts": counts}
 
 
 __all__ = ["COPY_PROMPTS", "COPY_WEIGHT", "COPY_SEED", "CTX", "K_TYPES", "PREFIX_TOKENS", "SCORED_TOKENS", "V_TYPES", "Policy", "PrecisionTable",
-           "calibration_ids", "combine_errors", "copy_examples", "layer_bits", "layer_weights", "load_precision", "measure_sensitivity",
+           "calibration_ids", "combine_errors", "copy_examples", "head_rows", "layer_bits", "layer_weights", "load_precision", "measure_sensitivity",
            "policy_summary", "precision_path", "preset_policy", "preset_precision", "ratio_budget", "ring_bits"]

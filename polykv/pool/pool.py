@@ -171,8 +171,9 @@ class SharedKVPool:
         self.recent = recent_for(preset, k, v, recent)
         k, v, innerq = resolve(preset, k, v, innerq)
         # as KVCache.precision: a preset's calibrated or fixed types (None without a preset)
+        # one type per layer here: a per-head table is allocated collapsed to layers
         policy, self.precision = preset_precision(model, preset, "explicit k= / v= / overrides=" if by_hand
-                                                  else None, precision, recent=self.recent)
+                                                  else None, precision, recent=self.recent, per_head=False)
         overrides = overrides or policy
 
         self.model, self.tok = model, tok
@@ -196,6 +197,10 @@ class SharedKVPool:
         # per-layer (K, V) types: the pool's pair, or `overrides` {layer: (k, v)} (a calibrated preset)
         self.layer_types = [tuple(overrides.get(s.index, (self.k_type, self.v_type))) if overrides
                             else (self.k_type, self.v_type) for s in self.layout]
+        for i, t in enumerate(self.layer_types):
+            if len(t) != 2 or not all(isinstance(x, str) for x in t):
+                raise ValueError(f"overrides[{i}]: SharedKVPool stores one (k, v) pair per layer, got {t!r} "
+                                 "(per-head types are a KVCache feature)")
         for kt, vt in self.layer_types:
             check_codec_name(kt)
             check_codec_name(vt)

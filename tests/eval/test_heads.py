@@ -1,7 +1,7 @@
-"""Per-head types (polykv.eval.heads) and the per-head measurement (measure_sensitivity(per_head=True))
-on a tiny random Llama with 2 KV heads: the simulated cache scores what the measurement's substituted
-exact cache scores, head by head; uniform heads are the plain per-layer cache; grouping, bits, ratio;
-the CLI field."""
+"""Per-head types (polykv.eval.heads: a per-head table allocated, stored by KVCache head by head) and
+the per-head measurement (measure_sensitivity(per_head=True)) on a tiny random Llama with 2 KV heads:
+the cache scores what the measurement's substituted exact cache scores, head by head; uniform heads are
+the plain per-layer cache; grouping, bits, ratio; loading by presets; the CLI field."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from polykv.codecs import InnerQTable
-from polykv.eval.heads import HeadTypedKVCache, HeadTypes
+from polykv.eval.heads import HeadTypes
 from polykv.hf.kv_cache import KVCache, model_layout
 from polykv.hf.precision import (K_TYPES, V_TYPES, layer_bits, layer_weights, load_precision, measure_sensitivity,
                                  ring_bits)
@@ -58,11 +58,11 @@ def _ref(model, ids):
 
 
 @pytest.mark.parametrize("innerq", [False, True])
-def test_simulated_head_scores_what_the_measurement_substitutes(model, ids, innerq):
-    """Each (layer, head, type) alone in the simulated cache gives the per-head table's error: the two
-    paths (a round trip of exact rows into a DynamicCache; the cache's side rows in the attention
-    domain) agree, so the head index, the domain and InnerQ are right in both. Head 1's error differs
-    from head 0's (the slice is not the whole layer)."""
+def test_stored_head_scores_what_the_measurement_substitutes(model, ids, innerq):
+    """Each (layer, head, type) alone in a KVCache with per-head types gives the per-head table's error:
+    the two paths (a round trip of exact rows into a DynamicCache; the head stored at its type) agree,
+    so the head index and InnerQ are right in both. Head 1's error differs from head 0's (the slice is
+    not the whole layer)."""
     iq = _innerq(model) if innerq else None
     table = measure_sensitivity(model, None, ids=ids, innerq=iq, prefix=PREFIX, per_head=True,
                                 k_types=("turbo3",), v_types=("turbo2",))
@@ -72,7 +72,8 @@ def test_simulated_head_scores_what_the_measurement_substitutes(model, ids, inne
         u = 2 * layer + head
         for side, want in (("k", table.k_error[u]["turbo3"]), ("v", table.v_error[u]["turbo2"])):
             kv = ("turbo3", "f16") if side == "k" else ("f16", "turbo2")
-            cache = HeadTypedKVCache(model, k="f16", v="f16", innerq=iq, heads=_types(model, {(layer, head): kv}))
+            heads = _types(model, {(layer, head): kv})
+            cache = KVCache(model, k="f16", v="f16", innerq=iq, overrides=heads.overrides())
             got = _kl(model, cache, ids, ref)
             assert want > 1e-6
             assert got == pytest.approx(want, rel=0.02, abs=1e-7), (layer, head, side)
@@ -80,32 +81,36 @@ def test_simulated_head_scores_what_the_measurement_substitutes(model, ids, inne
 
 
 def test_uniform_heads_are_the_per_layer_cache(model, ids):
-    """Every head of a layer at one type: nothing simulated, the logits of KVCache(overrides=...)."""
+    """Every head of a layer at one type: no mixed layer, the logits of KVCache(overrides=per layer)."""
     per_layer = {0: ("turbo3", "turbo2"), 1: ("q8_0", "turbo3"), 2: ("turbo4", "turbo2")}
     ht = HeadTypes(tuple((kv, kv) for kv in per_layer.values()), 3.0)
-    assert ht.base() == per_layer and ht.differing() == {}
+    assert ht.as_dict()["layers_mixed"] == []
+    cache = KVCache(model, k="f16", v="f16", overrides=ht.overrides(), recent=8)
+    assert not any(lay.mixed for lay in cache.layers)
     ref = _ref(model, ids)
-    a = _kl(model, HeadTypedKVCache(model, k="f16", v="f16", heads=ht, recent=8), ids, ref)
+    a = _kl(model, cache, ids, ref)
     b = _kl(model, KVCache(model, k="f16", v="f16", overrides=per_layer, recent=8), ids, ref)
     assert a == b and a > 0
 
 
 def test_mixed_heads_with_a_ring_differ_from_both_uniform_layers(model, ids):
     """One layer with a turbo3 and a q8_0 K head (ring of 8 rows kept): the score lies strictly between
-    the all-turbo3 and the all-q8_0 layer (it is neither base nor side for every head)."""
+    the all-turbo3 and the all-q8_0 layer (neither type stands for every head)."""
     ref = _ref(model, ids)
     base = {(0, 0): ("turbo3", "f16"), (0, 1): ("turbo3", "f16")}
-    lo = _kl(model, HeadTypedKVCache(model, k="f16", v="f16", heads=_types(model, {k: ("q8_0", "f16") for k in base}),
-                                     recent=8), ids, ref)
-    hi = _kl(model, HeadTypedKVCache(model, k="f16", v="f16", heads=_types(model, base), recent=8), ids, ref)
-    mix = _kl(model, HeadTypedKVCache(model, k="f16", v="f16", recent=8,
-                                      heads=_types(model, {(0, 0): ("turbo3", "f16"), (0, 1): ("q8_0", "f16")})), ids, ref)
+    def cache(at):
+        return KVCache(model, k="f16", v="f16", overrides=_types(model, at).overrides(), recent=8)
+
+    lo = _kl(model, cache({k: ("q8_0", "f16") for k in base}), ids, ref)
+    hi = _kl(model, cache(base), ids, ref)
+    mix = _kl(model, cache({(0, 0): ("turbo3", "f16"), (0, 1): ("q8_0", "f16")}), ids, ref)
     assert lo < mix < hi
 
 
 def test_from_table_groups_heads_and_counts_bits(model, tmp_path):
     """A per-head table allocated at a budget: rows grouped by layer, bits = the table's average, the
-    ratio with a ring = 16 / (bits + ring bits); a per-layer table is refused."""
+    ratio with a ring = 16 / (bits + ring bits); a per-layer table is refused. load_precision takes the
+    per-head table for this model (kv_heads checked) and its policy's overrides are per head."""
     from polykv.hf.precision import PrecisionTable
 
     layout = model_layout(model)
@@ -127,8 +132,17 @@ def test_from_table_groups_heads_and_counts_bits(model, tmp_path):
                                             v_error=v_err[::2]), 3.0)
     with pytest.raises(ValueError):
         HeadTypes.parse(str(path))
-    with pytest.raises(ValueError, match="per-head"):  # a KVCache stores one type per layer
-        load_precision(model, path)
+    loaded = load_precision(model, path)
+    assert loaded.kv_heads == (2, 2, 2)
+    ov = loaded.allocate(3.0).overrides()
+    assert [list(ov[i]) if isinstance(ov[i], list) else [ov[i]] * 2 for i in range(3)] == [list(hs) for hs in ht.types]
+    flat = loaded.per_layer()
+    assert flat.layers == 3 and flat.kv_heads is None
+    assert flat.k_error[1]["turbo3"] == pytest.approx(k_err[2]["turbo3"] + k_err[3]["turbo3"])
+    assert flat.weight[1] == pytest.approx(weight[2] + weight[3])
+    wrong = PrecisionTable(bits=bits, weight=weight, k_error=k_err, v_error=v_err, meta={"kv_heads": [3, 2, 1]})
+    with pytest.raises(ValueError, match="kv_heads"):
+        load_precision(model, wrong.save(tmp_path / "w.precision.json"))
 
 
 def test_cli_head_types_field(tiny_dir, tiny, tmp_path):

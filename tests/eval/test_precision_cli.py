@@ -71,6 +71,24 @@ def test_calibrate_bits_then_preset(tiny_dir, cache_dir):
     assert res.exit_code != 0 and "below the cheapest" in res.output
 
 
+def test_calibrate_per_head_then_preset(tiny_dir, cache_dir):
+    """--per-head: the table has one row per (layer, KV head) and the policy's layer_types a "head";
+    eval ppl --preset max takes that per-head allocation (precision: per_head, one pair per row)."""
+    from polykv.hf.precision import PrecisionTable
+
+    r = run_json(["calibrate", "--model", tiny_dir, "--bits", "3.3", "--scored-tokens", "32",
+                  "--prefix-tokens", "128", "--per-head"])
+    t = PrecisionTable.load(r["precision_path"])
+    heads = t.kv_heads
+    assert heads is not None and t.layers == sum(heads) and len(heads) == 2
+    assert [(row["layer"], row["head"]) for row in r["layer_types"]] == [
+        (i, h) for i, n in enumerate(heads) for h in range(n)]
+    assert t.policies["3.3"].kv_heads == heads
+    e = run_json(["eval", "ppl", "--model", tiny_dir, "--preset", "max", "--ctx", "64", "--windows", "1"])
+    assert e["precision"]["source"] == "calibrated" and e["precision"]["per_head"] is True
+    assert len(e["precision"]["types"]) == sum(heads) and e["ppl"] > 0
+
+
 def test_calibrate_copy_signal_flags(tiny_dir, cache_dir):
     """--copy-weight / --copy-prompts reach the table: both signals and their weights are saved, the
     table's errors are their combination; --copy-weight 0 measures novel text only; out of range refused."""
