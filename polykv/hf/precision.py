@@ -505,8 +505,8 @@ def measure_sensitivity(model, tok, ids: list[int] | None = None, innerq=None, k
     the table's errors combine both (`combine_errors`, weights novel 1 - copy_weight, copy copy_weight);
     both signals are kept in meta["signals"] (`PrecisionTable.reweigh` recombines them).
     per_head: one table row per (layer, KV head), layer-major ("Per head" in the module docstring;
-    meta "kv_heads" lists each layer's heads): for measurement (polykv.eval.heads simulates such
-    types), not for KVCache, which stores one type per layer (load_precision refuses it)."""
+    meta "kv_heads" lists each layer's heads): KVCache stores its allocation head by head, a
+    SharedKVPool the table collapsed to layers (`PrecisionTable.per_layer`)."""
     from .fingerprint import innerq_key
     from .kv_cache import model_layout
 
