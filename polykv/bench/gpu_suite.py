@@ -221,6 +221,31 @@ def correctness():
                   rel=rel(dq, dequantize_ref(ref, c, torch.float32)))
 
 
+
+@section("correct_heads")
+def correctness_heads():
+    """A layer with per-head types (issue K) on the fused path: one kernel per group of heads
+    (`kv_cache._decode_stored`), against attention over each head's decoded rows."""
+    from polykv.hf.kv_cache import LayerLayout, PolyKVLayer, _decode_stored
+
+    g = torch.Generator(device=DEV).manual_seed(5)
+    H, G, D, S = 8, 4, 128, 4099
+    types = [("turbo3", "turbo2"), ("q8_0", "turbo3")] * 3 + [("turbo4", "turbo3"), ("q8_0", "q8_0")]
+    scales = 0.5 + torch.rand(H, D, device=DEV, generator=g)
+    layer = PolyKVLayer(LayerLayout(0, H, D, None), "f16", "f16", key_scales=scales, device=DEV,
+                        head_types=types)
+    k, v = (torch.randn(1, H, S, D, device=DEV, generator=g).half() for _ in range(2))
+    layer.update(k, v)
+    q = torch.randn(1, H * G, 1, D, device=DEV, generator=g).half()
+    out, lse = _decode_stored(layer, q, S, causal=True, sm_scale=D ** -0.5)
+    dk, dv = layer.store.dense()
+    scores = (q.float() @ dk.repeat_interleave(G, 1).transpose(-1, -2)) * D ** -0.5
+    want = torch.softmax(scores, -1) @ dv.repeat_interleave(G, 1)
+    err = (lse - torch.logsumexp(scores, -1)).abs().max().item()
+    check(f"per-head layer fused decode D{D} S{S} ({len(layer.store.groups)} groups)",
+          rel(out.float(), want) <= 1e-2 and err < 1e-2, rel=rel(out.float(), want), lse_err=err)
+
+
 TUNE_BEST: dict = {}
 
 
@@ -524,6 +549,7 @@ if __name__ == "__main__":
     t0 = time.time()
     env()
     correctness()
+    correctness_heads()
     tune()
     decode_bench()
     tune_cascade()
