@@ -26,7 +26,7 @@ class HeadTypes:
     @classmethod
     def from_table(cls, table, bits: float, path: str | None = None) -> "HeadTypes":
         """Allocate a per-head PrecisionTable (meta "kv_heads") at `bits` and group its rows by layer."""
-        heads = table.meta.get("kv_heads")
+        heads = table.kv_heads
         if not heads:
             raise ValueError("not a per-head precision table (measure_sensitivity(..., per_head=True))")
         if sum(heads) != table.layers:
