@@ -166,19 +166,25 @@ class RecentSegment(NamedTuple):
     (the window's R) and kv_start int32 [N] (rows before it are not keys) — what
     `attention_decode_ref(q, k, v, codec, codec, causal=True, window=window, kv_start=kv_start)`
     reads, merged by LSE with the cascade. W = R - 1 + n_q: row i is the agent's suffix position
-    L - n_q - R + 1 + i (L its length), so kv_start = max(0, W - L) (polykv.pool.ring)."""
+    L - n_q - R + 1 + i (L its length), so kv_start = max(0, W - L) (polykv.pool.ring).
+    real: the lengths L themselves, int32 [N] on kv_start's device, when the caller holds them
+    (the pool: once per forward for every layer), else None (`lengths` derives them)."""
 
     k: Packed
     v: Packed
     codec: Codec
     window: int
     kv_start: torch.Tensor
+    real: torch.Tensor | None = None
 
     def lengths(self, older: torch.Tensor) -> torch.Tensor:
         """The agents' suffix lengths L, int32 [N], from the lengths of their rows older than the
         window (older = max(0, L - R), what the cascade reads besides the segment): L = older + R
         where the segment is all keys (kv_start 0: L >= W >= R), W - kv_start where it starts
-        later. Sliding-window layers place their queries against the prefix by L."""
+        later. Sliding-window layers place their queries against the prefix by L. `real` when
+        given (four elementwise kernels fewer per sliding layer and step in a captured pool step)."""
+        if self.real is not None:
+            return self.real
         w = self.k.shape[2]
         older = older.to(device=self.kv_start.device, dtype=torch.int32)
         return torch.where(self.kv_start > 0, w - self.kv_start, older + self.window).to(torch.int32)

@@ -377,7 +377,7 @@ class AgentCache(Cache):
             # sliding layers read the older suffix rows within W - R, the prefix by the real lengths
             out, _ = cascade_attention(query, doc.keys(), doc.values(), sk, sv, main, doc.k_codec,
                                        doc.v_codec, suffix_pages=table, page_size=P, suffix_rows=g.seq,
-                                       recent=RecentSegment(seg_k, seg_v, ring.codec, R, seg_start),
+                                       recent=RecentSegment(seg_k, seg_v, ring.codec, R, seg_start, lens),
                                        **common)
             return out.transpose(1, 2)
         out_r, lse_r = dispatch.attention_decode(query, seg_k, seg_v, ring.codec, ring.codec, causal=True,

@@ -98,6 +98,29 @@ def test_window_indices_are_made_once_per_forward(tiny, monkeypatch):
     assert len(begun) >= 4 and len(made) == len(begun)  # every forward: once, not once per layer
 
 
+def test_segment_carries_the_real_lengths(model_tok, monkeypatch):
+    """The pool hands each layer's segment the agents' suffix lengths it already holds
+    (`RecentSegment.real`: no per-layer derivation, four elementwise kernels per sliding layer in a
+    captured step); they equal what the segment derives from the older rows' lengths and kv_start,
+    in plain steps and multi-token forwards (an agent shorter than its window included)."""
+    from polykv.pool import agent_cache
+
+    model, tok = model_tok
+    seen = []
+    real = agent_cache.cascade_attention
+
+    def spy(*a, recent=None, **kw):
+        if recent is not None:
+            seen.append(recent.real is not None and torch.equal(
+                recent.real, recent._replace(real=None).lengths(a[5])))
+        return real(*a, recent=recent, **kw)
+
+    monkeypatch.setattr(agent_cache, "cascade_attention", spy)
+    pool = SharedKVPool(model, tok, k="q8_0", v="turbo3", recent=3, prefill_chunk=16)
+    _logits(pool)
+    assert len(seen) >= 4 * model.config.num_hidden_layers and all(seen)
+
+
 def test_one_forward_equals_token_by_token(model_tok):
     """Per-query windows: a prompt fed in one forward and the same tokens fed one per step read the
     same rows (the last logits agree to float rounding)."""
