@@ -195,18 +195,21 @@ class AgentRings:
         """What `write` derives from the forward's slots, lengths and real columns for rings of R
         recent rows in C: (cols int64 [G, n_q] the quantize columns, the window segment's ring rows
         int64 [G, R - 1 + n_q], its real-column mask bool [G, 1, n_q, 1], the rows to store int64
-        [G, n_q] (scratch where not kept), kv_start int32 [G]). Device ops only (captured steps)."""
+        [G, n_q] (scratch where not kept), kv_start int32 [G]). Device ops only (captured steps),
+        few of them: in a captured step each is a kernel of its own (issue F), so what depends on
+        (n_q, R, C) alone is made once (`_ring_constants`)."""
+        W = R - 1 + n_q
+        off, cols, newest = _ring_constants(n_q, R, C, dev)
         G = real.shape[0]
-        cols = torch.arange(n_q, device=dev).expand(G, n_q)  # device positions: no host copy (capture)
         L = lens.to(device=dev, dtype=torch.int64)
-        pos = L[:, None] - n_q - R + 1 + torch.arange(R - 1 + n_q, device=dev)[None, :]  # [G, W]
+        r = real.to(dev)
         base = (slots.to(dev) * C)[:, None]
-        col = real.to(dev)[:, None, :, None]  # [G, 1, n_q, 1]
-        new_pos = pos[:, R - 1:]  # [G, n_q]: column j's position
-        keep = real.to(dev) & (new_pos >= L[:, None] - C)  # the newest C rows only (no slot twice)
-        rows = torch.where(keep, base + new_pos % C, torch.full_like(new_pos, scratch_row))
-        kv_start = (R - 1 + n_q - L).clamp(0, R - 1 + n_q).to(torch.int32)  # -(first position)
-        return cols, base + pos % C, col, rows, kv_start
+        gather_rows = base + (L[:, None] + off) % C  # segment row i at position L - W + i
+        # column j sits at position L - n_q + j: kept if among the newest C rows (no slot twice)
+        keep = r if newest is None else r & newest
+        rows = torch.where(keep, gather_rows[:, R - 1:], scratch_row)
+        kv_start = (W - L).clamp(0, W).to(torch.int32)  # -(first position)
+        return cols.expand(G, n_q), gather_rows, r[:, None, :, None], rows, kv_start
 
     def refill(self, li: int, slot: int, positions: list[int], k: torch.Tensor, v: torch.Tensor) -> None:
         """Write true-space rows k, v [Hkv, T, D] at `positions` of `slot` (a rollback deeper than
@@ -221,6 +224,25 @@ class AgentRings:
 
     def nbytes(self) -> int:
         return storage_bytes(self.tensors())
+
+
+_CONSTANTS: dict = {}
+
+
+def _ring_constants(n_q: int, R: int, C: int, dev) -> tuple:
+    """(off int64 [W] = position - L of the segment's rows, W = R - 1 + n_q; cols int64 [n_q];
+    newest bool [n_q]: the columns among the newest C rows, None when all are), kept per
+    (n_q, R, C, device). Never kept when made inside a CUDA graph capture: their values would
+    exist only in the graph's replays."""
+    key = (n_q, R, C, str(dev))
+    c = _CONSTANTS.get(key)
+    if c is None:
+        W = R - 1 + n_q
+        cols = torch.arange(n_q, device=dev)
+        c = (torch.arange(W, device=dev) - W, cols, None if C >= n_q else cols >= n_q - C)
+        if not (torch.device(dev).type == "cuda" and torch.cuda.is_current_stream_capturing()):
+            _CONSTANTS[key] = c
+    return c
 
 
 __all__ = ["AgentRings"]

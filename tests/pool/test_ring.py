@@ -218,3 +218,27 @@ def test_no_window_no_ring():
     assert cache.rings is None and cache.ring_tensors() == []
     with pytest.raises(ValueError):
         make([FULL], -1)
+
+
+def test_indices_follow_their_definition():
+    """`AgentRings._indices` (the forward's ring rows, made of few device ops) against their
+    definition element by element: segment row i of agent g at position L - W + i (W = R - 1 + n_q)
+    lives in ring row slot * C + position mod C; column j (position L - n_q + j) is stored where real
+    and among the newest C rows, else at the scratch row; kv_start = clamp(W - L, 0, W). Prompts
+    longer than the ring (n_q > C) included."""
+    from polykv.pool.ring import AgentRings
+
+    g = torch.Generator().manual_seed(3)
+    for n_q, R, C in [(1, 4, 6), (3, 4, 8), (9, 3, 4), (12, 8, 10), (5, 1, 2)]:
+        G, W, scratch = 4, R - 1 + n_q, 10_000
+        slots = torch.randperm(9, generator=g)[:G]
+        lens = torch.randint(0, 3 * W, (G,), generator=g, dtype=torch.int32)
+        real = torch.rand(G, n_q, generator=g) > 0.25
+        cols, gather, col, rows, kv_start = AgentRings._indices(slots, lens, real, n_q, R, C, scratch, "cpu")
+        for a in range(G):
+            s, L = int(slots[a]), int(lens[a])
+            assert gather[a].tolist() == [s * C + (L - W + i) % C for i in range(W)]
+            assert rows[a].tolist() == [s * C + (L - n_q + j) % C if real[a, j] and L - n_q + j >= L - C
+                                        else scratch for j in range(n_q)]
+            assert int(kv_start[a]) == min(max(W - L, 0), W) and kv_start.dtype == torch.int32
+        assert cols.tolist() == [list(range(n_q))] * G and torch.equal(col[:, 0, :, 0], real)
