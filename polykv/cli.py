@@ -130,17 +130,18 @@ def calibrate(
                                          "KVCache(preset='balanced'/'max') finds it."),
     scored_tokens: int = typer.Option(256, "--scored-tokens", help="--bits: tokens scored per (layer, type)"),
     prefix_tokens: int = typer.Option(1024, "--prefix-tokens", help="--bits: tokens whose K/V get compressed"),
-    copy_weight: float = typer.Option(0.0, "--copy-weight", help="--bits: weight in [0, 1] of a copying "
+    copy_weight: float = typer.Option(0.25, "--copy-weight", help="--bits: weight in [0, 1] of a copying "
                                       "signal (KL on teacher-forced random codes in needle prompts, make_codes "
-                                      "seed 1) against the novel-text KL; default 0 = novel text only "
-                                      "(docs/quality.md: measured, did not improve the code-needle gate)"),
+                                      "seed 1) against the novel-text KL; 0 = novel text only (docs/quality.md: "
+                                      "0.25 per head holds max's code needles best)"),
     copy_prompts: int = typer.Option(8, "--copy-prompts", help="--bits: needle prompts of the "
                                      "copying signal (one per code kind in turn)"),
-    per_head: bool = typer.Option(False, "--per-head", help="--bits: measure and allocate per (layer, KV "
-                                  "head) instead of per layer (KVCache stores each head at its type; "
-                                  "SharedKVPool allocates the table collapsed to layers)"),
+    per_head: bool = typer.Option(True, "--per-head/--per-layer", help="--bits: measure and allocate per "
+                                  "(layer, KV head), or per layer (KVCache stores each head at its type; "
+                                  "SharedKVPool allocates a per-head table collapsed to layers)"),
     json_out: bool = typer.Option(False, "--json"),
-):  # --copy-weight / --copy-prompts defaults = hf.precision.COPY_WEIGHT / COPY_PROMPTS (no torch import here)
+):  # --copy-weight / --copy-prompts / --per-head defaults = hf.precision.COPY_WEIGHT / COPY_PROMPTS / PER_HEAD
+    # (literals: no torch import for --help)
     """Calibrate InnerQ key scales from real keys of a model and save the table; with --bits, also the
     per-layer precision policy (polykv.hf.precision)."""
     from pathlib import Path

@@ -19,10 +19,10 @@ types allocated from it instead of the fixed K/V above (explicit k= / v= keep th
 - `bits` alone (max): the table is allocated at that bits/value; the ring comes on top. Max 3.125
   (5.12x before its ring, gate 5.0x). Max as a ratio preset with R = 32 was measured and not kept
   (SmolLM2 real_frac 2/24 but code needles still 13/16; Gemma-3 ppl +3.09 % at 2.75 bits).
-  With a per-head table (`polykv calibrate --bits B --per-head`) a KVCache stores the allocation head
-  by head: SmolLM2 max then meets its real_frac gate (2/24, 5.07x measured), and with the copying
-  signal at weight 0.25 its code needles go from -14.6 to -6.25 pp of f16 (= f16 on a held-out set;
-  docs/quality.md, session 15); a SharedKVPool allocates that table collapsed to layers.
+  `polykv calibrate --bits B` measures per (layer, KV head) with a copying signal at weight 0.25 by
+  default, and a KVCache stores that allocation head by head: SmolLM2 max 5.08x, equivalence 3/24 (per
+  layer, novel text only: 4/24), code needles -6.25 pp of f16 (-14.6) and = f16 on a held-out set
+  (docs/quality.md, sessions 15-16); a SharedKVPool allocates the table collapsed to layers.
 - `ratio` (balanced): the held bytes f16 / preset at GATE_CTX = 2,048 tokens, ring included, that the
   allocation must meet with RATIO_MARGIN (1 %): budget = 16 / (ratio x 1.01) minus the ring's bits/value
   for the model's shape (`polykv.hf.precision.ratio_budget`), at most `bits` (4.25; balanced at 4.375 /

@@ -34,9 +34,12 @@ of layers 18, 23, 20, 19), and the result stays in the novel signal's nats (cw =
 novel-only table exactly). Both signals are saved (meta "signals", "weights");
 `PrecisionTable.reweigh(cw)` recombines them without measuring again. Cost: 8 prompts x ~13 answer
 tokens per (layer, type), 6-9 min more for SmolLM2 on 1 CPU thread. Measured (docs/quality.md,
-"A copying signal in the calibration"): with weights 0.5-1 the tables copy better teacher-forced on
-held-out code prompts, but the greedy code-needle gate did not improve (balanced the same 14/16, max
-worse), so the default weight is 0 (COPY_WEIGHT): novel text only, the tables as before.
+"A copying signal in the calibration"): per layer, weights 0.5-1 copied better teacher-forced on
+held-out code prompts but did not move the greedy code-needle gate. Per head at weight 0.25 (sessions
+15-16, 48 code needles per seed): SmolLM2 max 37/48 on seed 0 (per layer, novel only: 33) and 40/48 =
+f16 on seed 2, equivalence 3/24 (4/24); balanced and Gemma-3 (one KV head: per head = per layer) as
+good as before on every gate. So `polykv calibrate` measures per head with COPY_WEIGHT = 0.25 unless
+told otherwise (`--per-layer`, `--copy-weight 0`).
 
 Allocation (`PrecisionTable.allocate`). Errors are taken as additive over layers and over K/V.
 Start with every layer at the cheapest candidate of K and of V; repeatedly apply the upgrade (one
@@ -90,7 +93,8 @@ K_TYPES = ("turbo3", "turbo4", "q8_0")  # candidates for K (turbo with InnerQ wh
 V_TYPES = ("turbo2", "turbo3", "turbo4")
 PREFIX_TOKENS = 1024
 SCORED_TOKENS = 256
-COPY_WEIGHT = 0.0    # share of the copying signal (cli calibrate --copy-weight); 0: measured, did not pay
+COPY_WEIGHT = 0.25   # share of the copying signal (cli calibrate --copy-weight; module doc "Signals")
+PER_HEAD = True      # cli calibrate measures per (layer, KV head) unless --per-layer
 COPY_PROMPTS = 8     # copying signal: needle-style prompts (one per code kind)
 COPY_SEED = 1        # make_codes seed of those prompts; the evaluated set is seed 0 (make_codes.SEED)
 COPY_CTX = 1024
@@ -690,6 +694,6 @@ def policy_summary(policy: Policy) -> dict:
             "type_counts": counts}
 
 
-__all__ = ["COPY_PROMPTS", "COPY_WEIGHT", "COPY_SEED", "CTX", "K_TYPES", "PREFIX_TOKENS", "SCORED_TOKENS", "V_TYPES", "Policy", "PrecisionTable",
+__all__ = ["COPY_PROMPTS", "COPY_WEIGHT", "COPY_SEED", "CTX", "K_TYPES", "PER_HEAD", "PREFIX_TOKENS", "SCORED_TOKENS", "V_TYPES", "Policy", "PrecisionTable",
            "calibration_ids", "combine_errors", "copy_examples", "head_rows", "layer_bits", "layer_weights", "load_precision", "measure_sensitivity",
            "policy_summary", "precision_path", "preset_policy", "preset_precision", "ratio_budget", "ring_bits"]

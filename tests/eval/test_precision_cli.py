@@ -30,7 +30,7 @@ def test_calibrate_bits_then_preset(tiny_dir, cache_dir):
     from polykv.cli import app
 
     r = run_json(["calibrate", "--model", tiny_dir, "--bits", "3.6", "--scored-tokens", "64",
-                  "--prefix-tokens", "256"])
+                  "--prefix-tokens", "256", "--per-layer", "--copy-weight", "0"])
     # the fields calibrate always had
     assert set(r) >= {"path", "model", "layers_scaled", "tokens"} and r["tokens"] == 2048
     assert Path(r["path"]).exists() and Path(r["path"]).parent == cache_dir / "innerq"
@@ -77,13 +77,14 @@ def test_calibrate_per_head_then_preset(tiny_dir, cache_dir):
     from polykv.hf.precision import PrecisionTable
 
     r = run_json(["calibrate", "--model", tiny_dir, "--bits", "3.3", "--scored-tokens", "32",
-                  "--prefix-tokens", "128", "--per-head"])
+                  "--prefix-tokens", "128", "--copy-prompts", "2"])  # per head with the copying signal: the defaults
     t = PrecisionTable.load(r["precision_path"])
     heads = t.kv_heads
     assert heads is not None and t.layers == sum(heads) and len(heads) == 2
     assert [(row["layer"], row["head"]) for row in r["layer_types"]] == [
         (i, h) for i, n in enumerate(heads) for h in range(n)]
     assert t.policies["3.3"].kv_heads == heads
+    assert r["copy_weight"] == 0.25 and t.meta["weights"] == {"novel": 0.75, "copy": 0.25}
     e = run_json(["eval", "ppl", "--model", tiny_dir, "--preset", "max", "--ctx", "64", "--windows", "1"])
     assert e["precision"]["source"] == "calibrated" and e["precision"]["per_head"] is True
     assert len(e["precision"]["types"]) == sum(heads) and e["ppl"] > 0
@@ -96,7 +97,7 @@ def test_calibrate_copy_signal_flags(tiny_dir, cache_dir):
     from polykv.hf.precision import PrecisionTable, combine_errors
 
     r = run_json(["calibrate", "--model", tiny_dir, "--bits", "3.6", "--scored-tokens", "32",
-                  "--prefix-tokens", "128", "--copy-prompts", "2", "--copy-weight", "0.75"])
+                  "--prefix-tokens", "128", "--copy-prompts", "2", "--copy-weight", "0.75", "--per-layer"])
     assert r["copy_weight"] == 0.75 and r["copy_prompts"] == 2
     t = PrecisionTable.load(r["precision_path"])
     sig = t.meta["signals"]
@@ -106,7 +107,7 @@ def test_calibrate_copy_signal_flags(tiny_dir, cache_dir):
     assert t.policies["3.6"].types == t.reweigh(0.75).allocate(3.6).types
 
     r0 = run_json(["calibrate", "--model", tiny_dir, "--bits", "3.6", "--scored-tokens", "32",
-                   "--prefix-tokens", "128", "--copy-weight", "0"])
+                   "--prefix-tokens", "128", "--copy-weight", "0", "--per-layer"])
     t0 = PrecisionTable.load(r0["precision_path"])
     assert r0["copy_prompts"] == 0 and "signals" not in t0.meta
     assert t0.k_error == sig["novel"]["k_error"] and t0.v_error == sig["novel"]["v_error"]
@@ -116,13 +117,14 @@ def test_calibrate_copy_signal_flags(tiny_dir, cache_dir):
 
 
 def test_cli_copy_defaults_match_the_library():
-    """calibrate's --copy-weight / --copy-prompts defaults are hf.precision's constants (cli.py keeps
+    """calibrate's --copy-weight / --copy-prompts / --per-head defaults are hf.precision's constants (cli.py keeps
     literals so that `polykv --help` needs no torch)."""
     import inspect
 
     from polykv.cli import calibrate
-    from polykv.hf.precision import COPY_PROMPTS, COPY_WEIGHT
+    from polykv.hf.precision import COPY_PROMPTS, COPY_WEIGHT, PER_HEAD
 
     params = inspect.signature(calibrate).parameters
     assert params["copy_weight"].default.default == COPY_WEIGHT
+    assert params["per_head"].default.default == PER_HEAD
     assert params["copy_prompts"].default.default == COPY_PROMPTS
