@@ -403,6 +403,9 @@ def bench_spec_cmd(
     device: Optional[str] = typer.Option(None, "--device", help="cuda (default when available) or cpu."),
     k: str = typer.Option("q8_0", "--k"),
     v: str = typer.Option("turbo3", "--v"),
+    requests_per_agent: int = typer.Option(1, "--requests-per-agent", help="Prompts per agent slot: "
+                                           "M x agents prompts, at most --agents decoding at once (continuous "
+                                           "batching; tok/s is throughput at that concurrency)."),
     out: Optional[str] = typer.Option(None, "--out", help="Write the JSON result to this file."),
     json_out: bool = typer.Option(False, "--json"),
 ):
@@ -422,6 +425,7 @@ def bench_spec_cmd(
                         methods=tuple(x for x in methods.split(",") if x), num_draft_tokens=num_draft_tokens,
                         max_new_tokens=max_new_tokens, repeats=repeats, k=k, v=v, adaptive=not fixed,
                         unwrap=not keep_wraps, row_invariant=row_invariant,
+                        requests_per_agent=requests_per_agent,
                         log=lambda s: print(s, file=sys.stderr, flush=True))
     if out:
         Path(out).parent.mkdir(parents=True, exist_ok=True)

@@ -28,6 +28,10 @@ Diagnostics beside them: step_ms / step_ms_baseline (median ms of a step by its 
 graphs the timed runs captured: each costs warm-up forwards and a capture, per bucket and width),
 widths: {width: steps} the speculative side's planner chose (0 = plain; `Speculator.propose_all`).
 The document's outputs tree (`suffix_tree`) is emptied before every run.
+requests_per_agent = M > 1: each row runs M x agents prompts through `generate(max_batch=agents)`
+on both sides (continuous batching: a finished agent's slot takes the next prompt), so tok/s is a
+server's throughput at that many concurrent agents rather than the time of one batch that waits for
+its slowest agent; rows then carry requests (the prompts run) beside agents.
 `identical` in default numerics compares two different forward shapes (docs/speculative.md: plain
 decoding itself changes answers with the batch size); `row_invariant=True` runs both sides with
 row-invariant linears (`polykv.spec.invariant`), where identity is the test.
@@ -96,7 +100,8 @@ def _median(xs):
 def bench_spec(model, tok, agents=(4,), workloads=("quoting", "freeform"), methods=("prompt_lookup",),
                num_draft_tokens: int = 4, max_new_tokens: int = 64, repeats: int = 1, k: str = "q8_0",
                v: str = "turbo3", adaptive: bool = True, document: str | None = None, unwrap: bool = True,
-               row_invariant: bool = False, log=lambda m: None, sync: bool = False) -> dict:
+               row_invariant: bool = False, log=lambda m: None, sync: bool = False,
+               requests_per_agent: int = 1) -> dict:
     import contextlib
     import re
 
@@ -109,12 +114,12 @@ def bench_spec(model, tok, agents=(4,), workloads=("quoting", "freeform"), metho
         text = re.sub(r"(?<=\S)\n(?=\S)", " ", text)
     with (_row_invariant(model) if row_invariant else contextlib.nullcontext()):
         out = _bench(model, tok, text, agents, workloads, methods, num_draft_tokens, max_new_tokens, repeats,
-                     k, v, adaptive, log, sync)
-    return dict(out, unwrap=unwrap, row_invariant=row_invariant, sync=sync)
+                     k, v, adaptive, log, sync, requests_per_agent)
+    return dict(out, unwrap=unwrap, row_invariant=row_invariant, sync=sync, requests_per_agent=requests_per_agent)
 
 
 def _bench(model, tok, text, agents, workloads, methods, num_draft_tokens, max_new_tokens, repeats, k, v,
-           adaptive, log, sync=False) -> dict:
+           adaptive, log, sync=False, requests_per_agent: int = 1) -> dict:
     from ..pool import SharedKVPool
 
     dev = next(model.parameters()).device
@@ -123,6 +128,9 @@ def _bench(model, tok, text, agents, workloads, methods, num_draft_tokens, max_n
     doc = pool.add_document(text, name="demo")
     prefill_s = time.perf_counter() - t0
     rows, mismatches = [], []
+
+    if requests_per_agent < 1:
+        raise ValueError(f"requests_per_agent must be >= 1, got {requests_per_agent}")
 
     def timed(prompts, spec, overlap=True):
         # the outputs tree starts empty for every run: it would otherwise hold the very answers of
@@ -133,7 +141,7 @@ def _bench(model, tok, text, agents, workloads, methods, num_draft_tokens, max_n
             torch.cuda.synchronize()
         t = time.perf_counter()
         try:
-            pool.generate(doc, prompts, max_new_tokens=max_new_tokens, speculative=spec)
+            pool.generate(doc, prompts, max_new_tokens=max_new_tokens, speculative=spec, max_batch=width)
         finally:
             pool.spec_overlap = True
         if dev.type == "cuda":
@@ -144,7 +152,8 @@ def _bench(model, tok, text, agents, workloads, methods, num_draft_tokens, max_n
     for wl in workloads:
         qs = WORKLOADS[wl]
         for n in agents:
-            prompts = [qs[i % len(qs)] for i in range(n)]
+            prompts = [qs[i % len(qs)] for i in range(n * requests_per_agent)]
+            width = n  # agents decoding at once (max_batch); the other prompts wait for a slot
             for method in methods:
                 spec = {"method": method, "num_draft_tokens": num_draft_tokens, "adaptive": adaptive}
                 # warm-up of both paths at this batch size: Triton compiles and the graph captures
@@ -168,7 +177,8 @@ def _bench(model, tok, text, agents, workloads, methods, num_draft_tokens, max_n
                     mismatches += [dict(workload=wl, agents=n, method=method, prompt=p)
                                    for p, a, b in zip(prompts, base["answer_ids"], sp["answer_ids"]) if a != b]
                 st = sp["speculative"]
-                row = dict(workload=wl, method=method, agents=n, num_draft_tokens=num_draft_tokens,
+                row = dict(workload=wl, method=method, agents=n, requests=len(prompts),
+                           num_draft_tokens=num_draft_tokens,
                            tokens_per_step=round(st["tokens_per_step"], 3), acceptance=round(st["acceptance"], 3),
                            tok_s=new / _median(spec_s), tok_s_baseline=new / _median(base_s),
                            identical=same, steps=sp["steps"], steps_baseline=base["steps"],
@@ -195,7 +205,7 @@ def _bench(model, tok, text, agents, workloads, methods, num_draft_tokens, max_n
                                widths_sync=sst.get("widths", {}))
                     row["speedup_sync"] = row["tok_s_sync"] / row["tok_s_baseline"] if row["tok_s_baseline"] else 0.0
                 rows.append(row)
-                log(f"{wl:9s} {method:13s} agents {n:3d}: {row['tok_s']:.1f} vs {row['tok_s_baseline']:.1f} tok/s "
+                log(f"{wl:9s} {method:13s} agents {n:3d} ({len(prompts)} prompts): {row['tok_s']:.1f} vs {row['tok_s_baseline']:.1f} tok/s "
                     f"(x{row['speedup']:.2f}), {row['tokens_per_step']:.2f} tokens/verify step, "
                     f"acceptance {row['acceptance']:.2f}, identical {same}"
                     + (f"; sync {row['tok_s_sync']:.1f} tok/s (x{row['speedup_sync']:.2f})" if sync else ""))
@@ -242,6 +252,8 @@ def main(argv=None) -> None:
     ap.add_argument("--k", default="q8_0")
     ap.add_argument("--v", default="turbo3")
     ap.add_argument("--sync", action="store_true", help="also time the synchronous speculative loop")
+    ap.add_argument("--requests-per-agent", type=int, default=1,
+                    help="prompts per agent slot (continuous batching at --agents concurrent agents)")
     ap.add_argument("--out", default=None)
     a = ap.parse_args(argv)
     if a.device == "cuda" or (a.device is None and torch.cuda.is_available()):
@@ -253,6 +265,7 @@ def main(argv=None) -> None:
                      methods=tuple(x for x in a.methods.split(",") if x), num_draft_tokens=a.num_draft_tokens,
                      max_new_tokens=a.max_new_tokens, repeats=a.repeats, k=a.k, v=a.v, adaptive=not a.fixed,
                      unwrap=not a.keep_wraps, row_invariant=a.row_invariant, sync=a.sync,
+                     requests_per_agent=a.requests_per_agent,
                      log=lambda s: print(s, file=sys.stderr, flush=True))
     text = json.dumps(res, indent=1, default=str) + "\n"
     if a.out:

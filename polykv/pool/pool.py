@@ -668,7 +668,8 @@ class SharedKVPool:
 
     def generate(self, doc: str, prompts, max_new_tokens: int = 64, temperature: float = 0.0,
                  top_p: float = 1.0, top_k: int = 0, seed: int | None = None, stop=None,
-                 chat_template: bool = True, speculative=None, pipelined: bool = True) -> list[str]:
+                 chat_template: bool = True, speculative=None, pipelined: bool = True,
+                 max_batch: int | None = None) -> list[str]:
         """Answer every prompt as one agent over `doc`; all agents run in one batched forward per
         step. prompts: a list of texts, conversations or suffix id lists (see `prompt_ids`). Greedy when
         temperature == 0. Generation stops at `polykv.generation.stop_token_ids`, at any `stop` string (cut
@@ -677,13 +678,20 @@ class SharedKVPool:
         agents. pipelined (without `speculative`): step t+1 is launched before step t's ids are read
         (`AgentBatch.step_tokens_ahead`; the same tokens as pipelined=False, which waits for every
         step's ids before the next). With `speculative`, each verify step is launched and the
-        outputs tree's logged tokens are added while it runs (`spec_overlap`). Returns the decoded
-        answers (special tokens skipped)."""
+        outputs tree's logged tokens are added while it runs (`spec_overlap`). max_batch: at most
+        this many agents decode at once (None: every prompt); the others wait in order and each
+        joins the batch when an agent finishes (continuous batching: a slot never idles while a
+        prompt waits; a joining prompt is prefilled in the same step as the others decode). Each
+        prompt's answer is the same whatever max_batch (the agents are independent; exactly so
+        under `row_invariant`). Returns the decoded answers (special tokens skipped), in prompt
+        order."""
         from ..generation import find_stop, is_greedy, stop_token_ids
         from ..spec import SpecConfig, Speculator
 
         if isinstance(prompts, str):
             raise TypeError("prompts must be a list of prompts")
+        if max_batch is not None and int(max_batch) < 1:
+            raise ValueError(f"max_batch must be >= 1 or None, got {max_batch}")
         spec_cfg = SpecConfig.parse(speculative)
         t0 = time.perf_counter()
         suffixes = [self.prompt_ids(doc, p, chat_template) for p in prompts]
@@ -706,28 +714,45 @@ class SharedKVPool:
             index, tree = self.spec_sources(doc)
             spec = Speculator(index, tree, self.device.type, times=times, overlap=overlap)
         extra = spec_cfg.num_draft_tokens if spec_cfg is not None else 0
-        with self.open_batch(doc, capacity=len(suffixes)) as batch:
-            # pages each agent needs (+ room for the drafts of its last step)
-            batch.reserve([len(s) + max_new_tokens + extra for s in suffixes])
-            aids = [batch.add(s) for s in suffixes]
-            if sampled:
-                for i, a in enumerate(aids):
-                    batch.set_sampling(a, temperature, top_p, top_k, seed=base_seed + i)
+        slots = len(suffixes) if max_batch is None else min(int(max_batch), len(suffixes))
+        with self.open_batch(doc, capacity=slots) as batch:
+            # pages the agents need (+ room for the drafts of their last step): the `slots` largest
+            # needs, so that prompts joining later reuse the pages of those that left
+            batch.reserve(sorted((len(s) + max_new_tokens + extra for s in suffixes), reverse=True)[:slots])
             if spec is not None:
                 batch.expect_drafts(spec_cfg.num_draft_tokens)  # every verify width captured up front
-                for a, s in zip(aids, suffixes):
-                    spec.add(a, s, spec_cfg)
-            outs = {a: [] for a in aids}
-            live = set(aids) if max_new_tokens > 0 else set()
+            aids: list[int] = []  # per prompt, in order: its agent (once it joined)
+            outs: dict[int, list[int]] = {}
+            live: set[int] = set()
+
+            def join() -> bool:
+                """Waiting prompts join the batch while it has fewer than `slots` agents."""
+                joined = False
+                while len(aids) < len(suffixes) and len(batch) < slots and max_new_tokens > 0:
+                    i = len(aids)
+                    a = batch.add(suffixes[i])
+                    if sampled:  # prompt i draws from seed + i, whenever it joins
+                        batch.set_sampling(a, temperature, top_p, top_k, seed=base_seed + i)
+                    if spec is not None:
+                        spec.add(a, suffixes[i], spec_cfg)
+                    aids.append(a)
+                    outs[a] = []
+                    live.add(a)
+                    joined = True
+                return joined
+
+            join()
             step_s: list[tuple[int, float]] = []  # (widest draft count, seconds) per step
             if pipelined and spec is None and live:  # empties `live`: the loop below is the synchronous one
-                steps = self._decode_pipelined(batch, outs, live, max_new_tokens, eos, stops, times, step_s)
+                steps = self._decode_pipelined(batch, outs, live, max_new_tokens, eos, stops, times, step_s,
+                                               join)
                 peak = batch.peak_bytes
             drafted: dict[int, int] = {}
             # a step's time: from the previous step's ids on the host to its own (the pipelined
             # loop's basis): its inputs' host work (the last ids' rules, `record`, drafting, `feed`)
             # and its launch and wait, billed to the width its drafts made (spec/adaptive.py)
             t_read, captured = time.perf_counter(), batch.graph_captures
+            joined = False  # prompts joined before this step: it prefills them (not a decode step's time)
             while live:
                 n_step = len(live)
                 width = max(drafted.values(), default=0)
@@ -742,7 +767,7 @@ class SharedKVPool:
                 now = time.perf_counter()  # each step ends in a copy to the host
                 step_s.append((width, now - t_read))
                 # timed: decode steps (the first step prefills the prompts) that captured no graph
-                timed = steps > 0 and batch.graph_captures == captured
+                timed = steps > 0 and batch.graph_captures == captured and not joined
                 t_read, captured = now, batch.graph_captures
                 if spec is not None:
                     if timed:
@@ -791,15 +816,18 @@ class SharedKVPool:
                 drafts = {a: d for a, d in drafts.items() if d}
                 batch.feed(feed, drafts)  # the token each agent emitted last, then its drafts
                 drafted = {a: len(d) for a, d in drafts.items()}
+                joined = join()  # waiting prompts take the slots of those done
             captures = batch.graph_captures
+        # every prompt joined unless max_new_tokens <= 0 (nothing to generate)
+        answers = [outs[a] for a in aids] + [[] for _ in range(len(suffixes) - len(aids))]
         texts = []
-        for a in aids:
-            s = self.tok.decode(outs[a], skip_special_tokens=True)
+        for out in answers:
+            s = self.tok.decode(out, skip_special_tokens=True)
             cut = find_stop(s, stops)
             texts.append((s[:cut] if cut >= 0 else s).strip())
-        self.last_generate = dict(agents=len(prompts), steps=steps, suffix_tokens=[len(s) for s in suffixes],
-                                  new_tokens=[len(outs[a]) for a in aids], kv_bytes_agents_peak=peak,
-                                  suffix_ids=suffixes, answer_ids=[list(outs[a]) for a in aids],
+        self.last_generate = dict(agents=len(prompts), max_batch=slots, steps=steps, suffix_tokens=[len(s) for s in suffixes],
+                                  new_tokens=[len(a) for a in answers], kv_bytes_agents_peak=peak,
+                                  suffix_ids=suffixes, answer_ids=[list(a) for a in answers],
                                   seconds=time.perf_counter() - t0, graph_captures=captures,
                                   step_ms=_step_ms(step_s), pipelined=bool(pipelined and spec is None))
         if spec is not None:
@@ -808,7 +836,7 @@ class SharedKVPool:
         return texts
 
     def _decode_pipelined(self, batch, outs: dict, live: set, max_new_tokens: int, eos, stops: list,
-                          times, step_s: list) -> int:
+                          times, step_s: list, join=lambda: False) -> int:
         """`generate`'s loop without speculation, one step ahead (`AgentBatch.step_tokens_ahead`):
         step t+1 is launched with step t's ids fed on the device, then step t's ids are read and the
         synchronous loop's rules applied (an eos id ends an agent and is not kept; max_new_tokens;
@@ -818,27 +846,34 @@ class SharedKVPool:
         launch (nothing wasted). Fills `outs`, empties `live`, appends to `step_s` the seconds
         between consecutive reads (once the loop runs ahead: a step's period; the first entry also
         holds the launch of step 1) and feeds `times` the periods of decode steps whose launch, and
-        the launch made while waiting for them, captured nothing. Returns the steps launched."""
+        the launch made while waiting for them, captured nothing. join(): waiting prompts take the
+        free slots (`generate`'s max_batch; True if any did) — called before each launch, so a
+        joining prompt is prefilled in the step launched next (that step's period is not a decode
+        step's: not fed to `times`). Returns the steps launched."""
         from ..generation import find_stop
 
         t_read = time.perf_counter()
         before = batch.graph_captures
         ahead = batch.step_tokens_ahead()  # the prompts' prefill; its ids feed step 1 on the device
         captured = [batch.graph_captures != before]  # per launched step
+        prefills = [True]  # per launched step: it prefilled prompts
         while ahead is not None:
             for a in [a for a in batch.agents() if len(outs[a]) + 1 >= max_new_tokens]:
                 batch.remove(a)  # its token in flight is its last
+            joined = join()
             nxt = None
             if len(batch):
                 before = batch.graph_captures
                 nxt = batch.step_tokens_ahead()  # step t+1, launched before step t is read
                 captured.append(batch.graph_captures != before)
+                prefills.append(joined)
             chosen = ahead.result()
             now = time.perf_counter()
             step_s.append((0, now - t_read))
             t_read = now
             i = len(step_s) - 1  # the step just read; 0 prefilled the prompts
-            if i > 0 and not captured[i] and not (nxt is not None and captured[i + 1]):
+            if (i > 0 and not captured[i] and not prefills[i]
+                    and not (nxt is not None and (captured[i + 1] or prefills[i + 1]))):
                 times.observe(len(chosen), 0, step_s[-1][1])
             for a in ahead.agents:
                 if a not in live:

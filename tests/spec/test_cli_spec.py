@@ -54,3 +54,23 @@ def test_bench_spec_main_without_typer_times_the_sync_loop(tiny_dir, tmp_path, c
     for key in ("tok_s_sync", "speedup_sync", "ms_per_step", "ms_per_step_sync", "ms_per_step_baseline"):
         assert finite(r[key]) and r[key] > 0, key
     assert r["steps_sync"] > 0 and r["graph_captures_sync"] == 0 and 0 <= r["full_accepts"] <= r["agent_steps"]
+
+
+def test_bench_spec_requests_per_agent_runs_more_prompts_than_agents(tiny_dir, monkeypatch):  # noqa: F811
+    """--requests-per-agent M: M x agents prompts through generate(max_batch=agents) on both sides."""
+    from polykv.pool import SharedKVPool
+
+    seen = []
+    generate = SharedKVPool.generate
+
+    def spy(self, doc, prompts, **kw):
+        seen.append((len(prompts), kw.get("max_batch")))
+        return generate(self, doc, prompts, **kw)
+
+    monkeypatch.setattr(SharedKVPool, "generate", spy)
+    obj = run_json(["bench", "spec", "--device", "cpu", "--model", tiny_dir, "--agents", "2", "--max-new-tokens", "4",
+                    "--workloads", "quoting", "--requests-per-agent", "3", "--row-invariant"])
+    (r,) = obj["rows"]
+    assert r["agents"] == 2 and r["requests"] == 6 and obj["requests_per_agent"] == 3
+    assert r["identical"] is True and r["new_tokens"] > 0 and finite(r["speedup"])
+    assert seen and set(seen) == {(6, 2)}  # warm-ups and timed runs, both sides
