@@ -691,9 +691,11 @@ def decode_parts(qp: torch.Tensor, n_q: int, k: Packed, v: Packed, k_codec, v_co
     extra = {} if maxnreg is None else {"maxnreg": int(maxnreg)}
     if phase:
         # H200 v5 sweep (docs/kernels_notes.md): one warp per program for the decode rows
-        BLOCK_N = block_n or 64
-        num_warps = num_warps or (1 if BLOCK_M <= 16 else 4)
         n_min = 16
+        # fewer keys than a 64-row tile (a recent window's 8-row segment): the smallest power of
+        # two that holds them, so a one-warp program decodes 16 rows instead of 64 masked ones
+        BLOCK_N = block_n or min(64, max(n_min, next_pow2(S)))
+        num_warps = num_warps or (1 if BLOCK_M <= 16 else 4)
     else:
         BLOCK_N = block_n or (128 if BLOCK_M <= 16 and D <= 128 else _block_n(D))
         num_warps = num_warps or 4  # v4 sweep: 4 beat 8 for the 16-row decode and the cascade
