@@ -678,7 +678,10 @@ class SharedKVPool:
         agents. pipelined (without `speculative`): step t+1 is launched before step t's ids are read
         (`AgentBatch.step_tokens_ahead`; the same tokens as pipelined=False, which waits for every
         step's ids before the next). With `speculative`, each verify step is launched and the
-        outputs tree's logged tokens are added while it runs (`spec_overlap`). max_batch: at most
+        outputs tree's logged tokens are added while it runs (`spec_overlap`); with pipelined too,
+        the plain steps the width planner decides before drafting (backed off, or measuring T(0):
+        `Speculator.plain_next`) run pipelined in stretches (`_spec_plain_stretch`; stats
+        `pipelined_steps`). max_batch: at most
         this many agents decode at once (None: every prompt); the others wait in order and each
         joins the batch when an agent finishes (continuous batching: a slot never idles while a
         prompt waits; a joining prompt is prefilled in the same step as the others decode). Each
@@ -791,12 +794,7 @@ class SharedKVPool:
                     else:
                         done = False
                         for t in emitted:  # the plain loop's rules, token by token
-                            if t in eos:
-                                done = True
-                            else:
-                                out.append(t)
-                                done = len(out) >= max_new_tokens or (
-                                    stops and find_stop(self.tok.decode(out, skip_special_tokens=True), stops) >= 0)
+                            done = self._took(out, t, max_new_tokens, eos, stops)
                             if done:
                                 break
                     if done:
@@ -814,9 +812,23 @@ class SharedKVPool:
                     for a in [a for a in batch.agents() if a not in live]:
                         batch.remove(a)
                 drafts = {a: d for a, d in drafts.items() if d}
-                batch.feed(feed, drafts)  # the token each agent emitted last, then its drafts
+                if (pipelined and spec is not None and feed and not drafts
+                        and spec.plain_next({a: n - 1 for a, n in limits.items()}, len(feed))):
+                    # this step and the next are plain (the planner backed off or measures T(0)):
+                    # run them, and the plain steps it decides after them, pipelined
+                    n, joined, ready = self._spec_plain_stretch(batch, spec, feed, outs, live, max_new_tokens,
+                                                                eos, stops, step_s, join, t_read)
+                    steps += n
+                    # the next step's time starts at the stretch's last read: its drafting is billed to it
+                    t_read, captured = time.perf_counter(), batch.graph_captures
+                    limits = {a: max_new_tokens - len(outs[a]) - 1 for a in ready}
+                    drafts = spec.propose_all(limits, agents=len(ready)) if ready else {}
+                    drafts = {a: d for a, d in drafts.items() if d}
+                    batch.feed_drafts(drafts)  # after each agent's last token (read, still pending)
+                else:
+                    batch.feed(feed, drafts)  # the token each agent emitted last, then its drafts
+                    joined = join()  # waiting prompts take the slots of those done
                 drafted = {a: len(d) for a, d in drafts.items()}
-                joined = join()  # waiting prompts take the slots of those done
             captures = batch.graph_captures
         # every prompt joined unless max_new_tokens <= 0 (nothing to generate)
         answers = [outs[a] for a in aids] + [[] for _ in range(len(suffixes) - len(aids))]
@@ -835,6 +847,78 @@ class SharedKVPool:
                                                      num_draft_tokens=spec_cfg.num_draft_tokens)
         return texts
 
+    def _took(self, out: list[int], t: int, max_new_tokens: int, eos, stops: list) -> bool:
+        """The decoding rules for one chosen token t of an agent whose answer so far is `out`:
+        an eos id ends it and is not kept; any other id is kept, and ends it at max_new_tokens or
+        when the answer holds a stop string. Returns whether the agent is done."""
+        from ..generation import find_stop
+
+        if t in eos:
+            return True
+        out.append(t)
+        return len(out) >= max_new_tokens or bool(
+            stops and find_stop(self.tok.decode(out, skip_special_tokens=True), stops) >= 0)
+
+    def _spec_plain_stretch(self, batch, spec, feed: dict, outs: dict, live: set, max_new_tokens: int, eos,
+                            stops: list, step_s: list, join, t_read: float) -> tuple[int, bool, list[int]]:
+        """Plain steps of the speculative loop, pipelined as `_decode_pipelined` runs them: the
+        caller fed nothing yet and `spec.plain_next` approved the step after this one. Feeds
+        `feed`, lets waiting prompts take free slots (`join`), launches this step and the next,
+        then, each time it reads a step (the next one already running): the tokens' rules and
+        `spec.record`, agents done leave, waiting prompts join (no step is launched after such a
+        join: the prompts' prefill is the caller's next step), and the step after the one in
+        flight is launched while `spec.plain_next` approves it. Each step's period (from the
+        previous read, t_read for the first) is a plain step time of the planner unless that step,
+        or the one launched while it was waited for, captured a graph or prefilled prompts (as
+        `_decode_pipelined`). Returns (steps run, whether prompts joined at the end, the agents
+        whose last read token is pending for the caller's next step — drafts may follow it)."""
+        batch.feed(feed)
+        clean: list[bool] = []  # per launched step: it captured nothing and prefilled no prompt
+
+        def launch(prefill: bool = False):
+            before = batch.graph_captures
+            pending = batch.step_tokens_ahead()
+            clean.append(batch.graph_captures == before and not prefill)
+            return pending
+
+        ahead = launch(join())
+        nxt = launch()
+        reads, joined, ready = 0, False, []
+        while ahead is not None:
+            spec.ahead()  # the outputs tree's adds while the device runs
+            chosen = ahead.result()
+            now = time.perf_counter()
+            step_s.append((0, now - t_read))
+            if clean[reads] and (nxt is None or clean[reads + 1]):
+                spec.observe_step(0, now - t_read, agents=len(chosen))
+            t_read = now
+            reads += 1
+            spec.step_done(False)
+            ready = []
+            for a in ahead.agents:
+                if a not in live:
+                    continue  # stopped a step ago: this token is the wasted one
+                t = chosen[a]
+                spec.record(a, [t], 0)
+                if self._took(outs[a], t, max_new_tokens, eos, stops):
+                    live.discard(a)
+                    spec.remove(a)
+                    if a in batch:
+                        batch.remove(a)  # fed into the step in flight already; its rows go with the slot
+                else:
+                    ready.append(a)
+            self.peak_agent_bytes = max(self.peak_agent_bytes, batch.nbytes())
+            ahead, nxt = nxt, None
+            if ahead is None:
+                break
+            for a in [a for a in batch.agents() if len(outs[a]) + 1 >= max_new_tokens]:
+                batch.remove(a)  # its token in flight is its last
+            joined = join()
+            limits = {a: max_new_tokens - len(outs[a]) - 2 for a in batch.agents() if a in live and a in ahead.agents}
+            if not joined and limits and spec.plain_next(limits, len(batch)):
+                nxt = launch()
+        return len(clean), joined, [a for a in ready if a in batch]
+
     def _decode_pipelined(self, batch, outs: dict, live: set, max_new_tokens: int, eos, stops: list,
                           times, step_s: list, join=lambda: False) -> int:
         """`generate`'s loop without speculation, one step ahead (`AgentBatch.step_tokens_ahead`):
@@ -850,8 +934,6 @@ class SharedKVPool:
         free slots (`generate`'s max_batch; True if any did) — called before each launch, so a
         joining prompt is prefilled in the step launched next (that step's period is not a decode
         step's: not fed to `times`). Returns the steps launched."""
-        from ..generation import find_stop
-
         t_read = time.perf_counter()
         before = batch.graph_captures
         ahead = batch.step_tokens_ahead()  # the prompts' prefill; its ids feed step 1 on the device
@@ -878,14 +960,7 @@ class SharedKVPool:
             for a in ahead.agents:
                 if a not in live:
                     continue  # stopped a step ago: this token is the wasted one
-                t = chosen[a]
-                if t in eos:
-                    done = True
-                else:
-                    outs[a].append(t)
-                    done = len(outs[a]) >= max_new_tokens or bool(
-                        stops and find_stop(self.tok.decode(outs[a], skip_special_tokens=True), stops) >= 0)
-                if done:
+                if self._took(outs[a], chosen[a], max_new_tokens, eos, stops):
                     live.discard(a)
                     if a in batch:
                         batch.remove(a)  # fed into nxt already; its rows go with the slot

@@ -7,6 +7,7 @@
     spec.record(key, emitted, drafted)        # after a step: acceptance, contexts, outputs tree
     spec.observe_step(width, seconds, agents) # a decode step's whole wall, drafting in (no prefill, no capture)
     spec.ahead()                              # overlap mode: while the device runs a step
+    spec.plain_next({key: limit})             # the next step decided plain ahead: launch it pipelined
     drafts = spec.propose_all({key: limit})   # every agent's guesses for the next step, one width
     drafts = spec.propose(key, limit)         # one agent's guesses, its own AdaptiveLength
     spec.stats()                              # {steps, drafted, accepted, tokens, ...}
@@ -116,6 +117,7 @@ class Speculator:
         self.widths: Counter = Counter()  # widths `propose_all` chose, per step
         self.steps = self.drafted = self.accepted = self.tokens = self.agent_steps = 0
         self.full_accepts = 0  # (agent, verify step) pairs whose every draft was accepted
+        self.pipelined_steps = 0  # plain steps `plain_next` let the loop launch ahead
         self._tree_readers = 0  # agents drafting from the tree: `ahead` adds its log only for them
 
     def add(self, key, prompt_ids: list[int], config: SpecConfig) -> None:
@@ -227,6 +229,30 @@ class Speculator:
                 out[k] = out[k][:w]
         return out
 
+    def plain_next(self, limits: dict, agents: int | None = None) -> bool:
+        """Whether the planner has decided the next step plain before any drafting
+        (`WidthPlanner.plain_ahead`: backed off and waiting, or measuring T(0)) — a step the loop
+        may launch before it reads the one in flight (pipelined, as plain decoding runs). True
+        counts that step as `propose_all` would (one plain step of the planner); False changes
+        nothing. False whenever an agent drafts at a fixed length (it always drafts) or none is
+        adaptive. limits, agents: as `propose_all`'s."""
+        planner = self.planner
+        if planner is None:
+            return False
+        get, adaptive = self._agents.get, False
+        for key in limits:
+            st = get(key)
+            if st is not None:
+                if st.length.fixed:
+                    return False
+                adaptive = True
+        if not adaptive or not planner.plain_ahead(lambda: self._most_drafts(limits),
+                                                   agents if agents is not None else len(limits)):
+            return False
+        self.widths[0] += 1
+        self.pipelined_steps += 1
+        return True
+
     def _most_drafts(self, limits: dict) -> list[tuple[float, int]]:
         """(acceptance, the most drafts it may have) of every adaptive agent in `limits`: the bound
         `WidthPlanner.plain_ahead` decides on before anything is drafted."""
@@ -302,11 +328,12 @@ class Speculator:
         accepted", could have served); cost_per_draft: the
         draft-column cost the adaptive length used last (`StepCost`), timed_widths: the widths of the
         timed steps it was fitted on; widths: {w: steps} the batch planner chose (`propose_all`;
-        0 = plain); step_times_ms: {agent bucket: {width: ms}} the planner's measured T(w)."""
+        0 = plain); step_times_ms: {agent bucket: {width: ms}} the planner's measured T(w);
+        pipelined_steps: plain steps launched ahead of the one in flight (`plain_next`)."""
         return dict(steps=self.steps, drafted=self.drafted, accepted=self.accepted, tokens=self.tokens,
                     agent_steps=self.agent_steps, full_accepts=self.full_accepts, cost_per_draft=self.step_cost.cost_per_draft,
                     timed_widths=sorted({w for w, _ in self.step_cost.obs}),
-                    widths=dict(sorted(self.widths.items())),
+                    widths=dict(sorted(self.widths.items())), pipelined_steps=self.pipelined_steps,
                     step_times_ms={b: {w: t * 1e3 for w, t in ws.items()} for b, ws in self.times.table().items()},
                     tokens_per_step=self.tokens / self.agent_steps if self.agent_steps else 0.0,
                     acceptance=self.accepted / self.drafted if self.drafted else 0.0)
