@@ -39,7 +39,8 @@ row-invariant linears (`polykv.spec.invariant`), where identity is the test.
 loop: no host work while a verify step runs, the outputs tree read up to date) in the same repeats:
 tok_s_sync, speedup_sync, steps_sync, tokens_per_step_sync, identical_sync, step_ms_sync.
 ms_per_step(_baseline, _sync): wall ms per batch step (seconds / steps); full_accepts / agent_steps:
-agent verify steps whose every draft was accepted, of all (`Speculator.stats`).
+agent verify steps whose every draft was accepted, of all (`Speculator.stats`); pipelined_steps: plain
+steps the speculative side ran pipelined (`Speculator.plain_next`).
 
 Without typer (the GPU machine): `python -m polykv.bench.spec --device cuda --model M.gguf --agents
 8,32 --methods prompt_lookup,suffix_tree --sync --out FILE.json` (`main`: the CLI's options).
@@ -190,7 +191,7 @@ def _bench(model, tok, text, agents, workloads, methods, num_draft_tokens, max_n
                            graph_captures=caps[1], graph_captures_baseline=caps[0],
                            graph_captures_warmup=warm[1], graph_captures_warmup_baseline=warm[0],
                            widths=st.get("widths", {}), full_accepts=st.get("full_accepts", 0),
-                           agent_steps=st.get("agent_steps", 0),
+                           agent_steps=st.get("agent_steps", 0), pipelined_steps=st.get("pipelined_steps", 0),
                            ms_per_step=_median(spec_s) / sp["steps"] * 1e3,
                            ms_per_step_baseline=_median(base_s) / base["steps"] * 1e3)
                 row["speedup"] = row["tok_s"] / row["tok_s_baseline"] if row["tok_s_baseline"] else 0.0

@@ -54,6 +54,7 @@ def test_bench_spec_main_without_typer_times_the_sync_loop(tiny_dir, tmp_path, c
     for key in ("tok_s_sync", "speedup_sync", "ms_per_step", "ms_per_step_sync", "ms_per_step_baseline"):
         assert finite(r[key]) and r[key] > 0, key
     assert r["steps_sync"] > 0 and r["graph_captures_sync"] == 0 and 0 <= r["full_accepts"] <= r["agent_steps"]
+    assert 0 <= r["pipelined_steps"] <= r["steps"]
 
 
 def test_bench_spec_requests_per_agent_runs_more_prompts_than_agents(tiny_dir, monkeypatch):  # noqa: F811
