@@ -455,6 +455,22 @@ def quantize_kv_into(dst_k: Packed, k: torch.Tensor, k_codec, dst_v: Packed, v: 
     quantize_into(dst_v, v, vc, positions)
 
 
+def ring_indices(slots: torch.Tensor, lens: torch.Tensor, real: torch.Tensor, R: int, C: int,
+                 scratch_row: int, off: torch.Tensor | None = None,
+                 newest: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """A forward's recent-window ring rows (`reference.ring_indices_ref` defines them: gather int64
+    [G, W], rows int64 [G, n_q], kv_start int32 [G]); slots, lens integer [G] and real bool
+    [G, n_q] on the ring's device. On the Triton path one launch (`triton_ring`); off / newest are
+    the reference's precomputed constants, unused there."""
+    if use_triton(real):
+        _k()
+        from .triton_ring import ring_indices_triton
+
+        return ring_indices_triton(slots.to(real.device), lens.to(real.device), real.contiguous(), R, C,
+                                   scratch_row)
+    return ref.ring_indices_ref(slots, lens, real, R, C, scratch_row, off, newest)
+
+
 def ring_step(ring_k: Packed, ring_v: Packed, k: torch.Tensor, v: torch.Tensor, rows: torch.Tensor,
               seg_rows: torch.Tensor, real: torch.Tensor,
               pages: KVTarget | None = None) -> tuple[Packed, Packed]:

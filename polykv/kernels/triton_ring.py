@@ -119,3 +119,40 @@ def ring_step_triton(ring_k: Packed, ring_v: Packed, k: torch.Tensor, v: torch.T
                       NQ, W, *page_args, D=D, NQP=next_pow2(NQ), WP=next_pow2(W), **page_meta,
                       enable_fp_fusion=False)  # quantize-on-write's exact q8_0 / turbo arithmetic
     return fused or pages is None
+
+
+@triton.jit
+def _ring_index_kernel(SLOTS, LENS, REAL, GATHER, ROWS, KV_START, C, SCRATCH,
+                       NQ: tl.constexpr, W: tl.constexpr, NQP: tl.constexpr, WP: tl.constexpr):
+    """One agent per program: `reference.ring_indices_ref` for row g (positions are floored mod C,
+    as torch's %: a segment may start before the agent's first row)."""
+    g = tl.program_id(0)
+    L = tl.load(LENS + g).to(tl.int64)
+    base = tl.load(SLOTS + g).to(tl.int64) * C
+    i = tl.arange(0, WP)
+    pos = (L - W + i) % C
+    tl.store(GATHER + g * W + i, base + tl.where(pos < 0, pos + C, pos), mask=i < W)
+    j = tl.arange(0, NQP)
+    jm = j < NQ
+    keep = (tl.load(REAL + g * NQ + j, mask=jm, other=0) != 0) & (j >= NQ - C)  # real, among the newest C
+    posj = (L - NQ + j) % C
+    row = tl.where(keep, base + tl.where(posj < 0, posj + C, posj), SCRATCH)
+    tl.store(ROWS + g * NQ + j, row, mask=jm)
+    tl.store(KV_START + g, tl.minimum(tl.maximum(W - L, 0), W).to(tl.int32))
+
+
+def ring_indices_triton(slots: torch.Tensor, lens: torch.Tensor, real: torch.Tensor, R: int, C: int,
+                        scratch_row: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """See `reference.ring_indices_ref` (the same outputs, exactly): one launch where the torch
+    ops take about nine kernels of a captured step. slots, lens: integer [G]; real bool [G, n_q]
+    contiguous; all on one device."""
+    G, NQ = real.shape
+    W = R - 1 + NQ
+    dev = real.device
+    gather = torch.empty(G, W, dtype=torch.int64, device=dev)
+    rows = torch.empty(G, NQ, dtype=torch.int64, device=dev)
+    kv_start = torch.empty(G, dtype=torch.int32, device=dev)
+    if G:
+        cached_launch(_ring_index_kernel, (G,), slots, lens, real, gather, rows, kv_start, int(C),
+                      int(scratch_row), NQ=NQ, W=W, NQP=next_pow2(NQ), WP=next_pow2(W), num_warps=1)
+    return gather, rows, kv_start

@@ -197,19 +197,17 @@ class AgentRings:
         int64 [G, R - 1 + n_q], its real-column mask bool [G, 1, n_q, 1], the rows to store int64
         [G, n_q] (scratch where not kept), kv_start int32 [G]). Device ops only (captured steps),
         few of them: in a captured step each is a kernel of its own (issue F), so what depends on
-        (n_q, R, C) alone is made once (`_ring_constants`)."""
-        W = R - 1 + n_q
+        (n_q, R, C) alone is made once (`_ring_constants`), and on the kernels the rest is one
+        launch (`dispatch.ring_indices`)."""
+        from ..kernels import dispatch
+
         off, cols, newest = _ring_constants(n_q, R, C, dev)
-        G = real.shape[0]
-        L = lens.to(device=dev, dtype=torch.int64)
         r = real.to(dev)
-        base = (slots.to(dev) * C)[:, None]
-        gather_rows = base + (L[:, None] + off) % C  # segment row i at position L - W + i
-        # column j sits at position L - n_q + j: kept if among the newest C rows (no slot twice)
-        keep = r if newest is None else r & newest
-        rows = torch.where(keep, gather_rows[:, R - 1:], scratch_row)
-        kv_start = (W - L).clamp(0, W).to(torch.int32)  # -(first position)
-        return cols.expand(G, n_q), gather_rows, r[:, None, :, None], rows, kv_start
+        # segment row i at position L - W + i; column j (position L - n_q + j) kept where real and
+        # among the newest C rows (no slot twice); on the kernels all of it in one launch
+        gather_rows, rows, kv_start = dispatch.ring_indices(slots.to(dev), lens.to(dev), r, R, C, scratch_row,
+                                                            off, newest)
+        return cols.expand(r.shape[0], n_q), gather_rows, r[:, None, :, None], rows, kv_start
 
     def refill(self, li: int, slot: int, positions: list[int], k: torch.Tensor, v: torch.Tensor) -> None:
         """Write true-space rows k, v [Hkv, T, D] at `positions` of `slot` (a rollback deeper than

@@ -220,13 +220,27 @@ def test_no_window_no_ring():
         make([FULL], -1)
 
 
-def test_indices_follow_their_definition():
-    """`AgentRings._indices` (the forward's ring rows, made of few device ops) against their
+@pytest.mark.parametrize("path", ["torch", "triton"])
+def test_indices_follow_their_definition(path, monkeypatch):
+    """`AgentRings._indices` (the forward's ring rows: few torch ops, or one launch of
+    `triton_ring._ring_index_kernel` — here through Triton's interpreter) against their
     definition element by element: segment row i of agent g at position L - W + i (W = R - 1 + n_q)
     lives in ring row slot * C + position mod C; column j (position L - n_q + j) is stored where real
     and among the newest C rows, else at the scratch row; kv_start = clamp(W - L, 0, W). Prompts
-    longer than the ring (n_q > C) included."""
+    longer than the ring (n_q > C) and segments that start before the agent's first row included."""
+    from polykv.kernels import dispatch
     from polykv.pool.ring import AgentRings
+
+    if path == "triton":
+        monkeypatch.setenv("POLYKV_TRITON_ON_CPU", "1")
+        monkeypatch.delenv("POLYKV_FORCE_REFERENCE", raising=False)
+        dispatch._k()
+    launched = []
+    if path == "triton":
+        from polykv.kernels import triton_ring
+
+        run = triton_ring.ring_indices_triton
+        monkeypatch.setattr(triton_ring, "ring_indices_triton", lambda *a: launched.append(1) or run(*a))
 
     g = torch.Generator().manual_seed(3)
     for n_q, R, C in [(1, 4, 6), (3, 4, 8), (9, 3, 4), (12, 8, 10), (5, 1, 2)]:
@@ -242,3 +256,5 @@ def test_indices_follow_their_definition():
                                         else scratch for j in range(n_q)]
             assert int(kv_start[a]) == min(max(W - L, 0), W) and kv_start.dtype == torch.int32
         assert cols.tolist() == [list(range(n_q))] * G and torch.equal(col[:, 0, :, 0], real)
+        assert gather.dtype == rows.dtype == torch.int64
+    assert len(launched) == (5 if path == "triton" else 0)
