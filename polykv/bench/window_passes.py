@@ -4,16 +4,21 @@ turbo3 prefix, 128-row suffixes, R = 8, at 8 and 32 agents: the graph-replay med
 (the window as the cascade's third pass), of the apart route (prefix-only windowed cascade, older-rows
 decode, segment decode, two LSE merges) and of each piece alone; both checked against the torch
 reference; then one graph replay's kernel timeline (torch.profiler) of fused, apart and the plain
-windowed cascade at 32 agents.
+windowed cascade at 32 agents. Then fused and apart again with programmatic dependent launch off
+(POLYKV_PDL=0; kernels_notes v20's first suspect: every decode program triggers its dependents first
+thing, so a decode launched behind a decode parks on the SMs the first one runs on).
 
     PYTHONPATH=. POLYKV_CACHE_DIR=.pkvcache python3 polykv/bench/window_passes.py
 
 Run it once per tree in one call (PYTHONPATH=<other tree>) to compare. Written in session 17 and not
-yet run: no GPU was left. Writes $OUT/window_passes.json: {piece_agents: graph median us}.
+yet run: no GPU was left. Writes $OUT/window_passes.json: {piece_agents: graph median us,
+piece_agents_nopdl: the same without PDL, rel_*: max relative error against the reference,
+timeline_*: one replay's kernels}.
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 
@@ -47,6 +52,30 @@ def timeline(replay) -> list[str]:
     t0 = ev[0].time_range.start if ev else 0.0
     return [f"{e.time_range.start - t0:7.1f} + {e.time_range.end - e.time_range.start:6.1f}  {e.name[:70]}"
             for e in ev]
+
+
+@contextlib.contextmanager
+def pdl_off():
+    """Launches without programmatic dependent launch (POLYKV_PDL=0), the kernels' plans made anew
+    (a plan keeps the launch it was made with) and made anew again afterwards."""
+    from polykv.kernels import triton_decode as td
+
+    def forget():
+        td._PDL.clear()
+        td._PLANS.clear()
+        td._CALLS.clear()
+
+    old = os.environ.get("POLYKV_PDL")
+    os.environ["POLYKV_PDL"] = "0"
+    forget()
+    try:
+        yield
+    finally:
+        if old is None:
+            del os.environ["POLYKV_PDL"]
+        else:
+            os.environ["POLYKV_PDL"] = old
+        forget()
 
 
 def main() -> dict:
@@ -98,6 +127,11 @@ def main() -> dict:
             for name in ("fused", "apart", "plain_windowed"):
                 res[f"timeline_{name}_32"] = lines = timeline(replays[name])
                 print(f"--- {name}, one graph replay (32 agents)\n  " + "\n  ".join(lines), flush=True)
+        with pdl_off():
+            for name in ("fused", "apart"):
+                res[f"{name}_{agents}_nopdl"] = _median_ms(graphed(pieces[name]), 10, 100) * 1e3
+                print(f"{agents:>3} agents {name:>15}: {res[f'{name}_{agents}_nopdl']:.1f} us without PDL",
+                      flush=True)
     with open(os.path.join(os.environ.get("OUT", "."), "window_passes.json"), "w") as f:
         json.dump(res, f, indent=1)
     return res
