@@ -455,20 +455,22 @@ def quantize_kv_into(dst_k: Packed, k: torch.Tensor, k_codec, dst_v: Packed, v: 
     quantize_into(dst_v, v, vc, positions)
 
 
-def ring_indices(slots: torch.Tensor, lens: torch.Tensor, real: torch.Tensor, R: int, C: int,
+def ring_indices(slots, lens: torch.Tensor, page_rows: torch.Tensor, page_scratch: int, R: int, C: int,
                  scratch_row: int, off: torch.Tensor | None = None,
-                 newest: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+                 newest: torch.Tensor | None = None) -> tuple[torch.Tensor, ...]:
     """A forward's recent-window ring rows (`reference.ring_indices_ref` defines them: gather int64
-    [G, W], rows int64 [G, n_q], kv_start int32 [G]); slots, lens integer [G] and real bool
-    [G, n_q] on the ring's device. On the Triton path one launch (`triton_ring`); off / newest are
-    the reference's precomputed constants, unused there."""
-    if use_triton(real):
+    [G, W], rows int64 [G, n_q], kv_start int32 [G], real bool [G, n_q], older int32 [G]); slots a
+    slice or integer [G], lens integer [G] and page_rows int64 [G, n_q] on the ring's device. On the
+    Triton path one launch (`triton_ring`); off / newest are the reference's precomputed
+    constants, unused there."""
+    if use_triton(page_rows):
         _k()
         from .triton_ring import ring_indices_triton
 
-        return ring_indices_triton(slots.to(real.device), lens.to(real.device), real.contiguous(), R, C,
-                                   scratch_row)
-    return ref.ring_indices_ref(slots, lens, real, R, C, scratch_row, off, newest)
+        dev = page_rows.device
+        return ring_indices_triton(slots if isinstance(slots, slice) else slots.to(dev), lens.to(dev),
+                                   page_rows.contiguous(), page_scratch, R, C, scratch_row)
+    return ref.ring_indices_ref(slots, lens, page_rows, page_scratch, R, C, scratch_row, off, newest)
 
 
 def ring_step(ring_k: Packed, ring_v: Packed, k: torch.Tensor, v: torch.Tensor, rows: torch.Tensor,

@@ -93,30 +93,36 @@ def ring_step_ref(ring_k: Packed, ring_v: Packed, k: torch.Tensor, v: torch.Tens
             sg.copy_(r[:, seg_rows].permute(1, 0, 2, 3))
 
 
-def ring_indices_ref(slots: torch.Tensor, lens: torch.Tensor, real: torch.Tensor, R: int, C: int,
-                     scratch_row: int, off: torch.Tensor | None = None,
-                     newest: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def ring_indices_ref(slots, lens: torch.Tensor, page_rows: torch.Tensor, page_scratch: int, R: int,
+                     C: int, scratch_row: int, off: torch.Tensor | None = None,
+                     newest: torch.Tensor | None = None) -> tuple[torch.Tensor, ...]:
     """The ring rows of one forward of recent windows of R rows in rings of C (polykv.pool.ring):
-    agent g (ring slot slots[g], length L = lens[g] after the forward, n_q = real.shape[1] columns,
-    real bool [G, n_q] the columns that are not padding) reads the segment of W = R - 1 + n_q
-    positions L - W + i, at ring rows gather int64 [G, W] = slot * C + (L - W + i) mod C, and stores
-    column j (position L - n_q + j) at rows int64 [G, n_q]: that segment row where real and among
-    the newest C columns (j >= n_q - C), else at scratch_row; kv_start int32 [G] = clamp(W - L, 0, W)
-    (the segment rows before the agent's first). off int64 [W] = i - W and newest bool [n_q] (None:
+    agent g (ring slot slots[g] — slots a slice of consecutive slots or integer [G] —, length
+    L = lens[g] after the forward, n_q = page_rows.shape[1] columns written to page rows page_rows
+    int64 [G, n_q], padding columns to page_scratch) reads the segment of W = R - 1 + n_q positions
+    L - W + i, at ring rows gather int64 [G, W] = slot * C + (L - W + i) mod C, and stores column j
+    (position L - n_q + j) at rows int64 [G, n_q]: that segment row where real (page row not the
+    scratch) and among the newest C columns (j >= n_q - C), else at scratch_row; kv_start int32
+    [G] = clamp(W - L, 0, W) (the segment rows before the agent's first); older int32 [G] =
+    max(L - R, 0) (the rows before the window). off int64 [W] = i - W and newest bool [n_q] (None:
     every column) may be given precomputed (the pool caches them: each is a kernel in a captured
-    step). Returns (gather, rows, kv_start)."""
-    n_q = real.shape[1]
+    step). Returns (gather, rows, kv_start, real bool [G, n_q], older)."""
+    n_q = page_rows.shape[1]
     W = R - 1 + n_q
-    dev = real.device
+    dev = page_rows.device
     if off is None:
         off = torch.arange(W, device=dev) - W
         newest = None if C >= n_q else torch.arange(n_q, device=dev) >= n_q - C
+    if isinstance(slots, slice):
+        slots = torch.arange(slots.start or 0, slots.stop, device=dev)
+    real = page_rows != page_scratch
     L = lens.to(device=dev, dtype=torch.int64)
     gather = (slots.to(dev) * C)[:, None] + (L[:, None] + off) % C
     keep = real if newest is None else real & newest
     rows = torch.where(keep, gather[:, R - 1:], scratch_row)
     kv_start = (W - L).clamp(0, W).to(torch.int32)
-    return gather, rows, kv_start
+    older = (L - R).clamp_min(0).to(torch.int32)
+    return gather, rows, kv_start, real, older
 
 
 def dequantize_ref(p: Packed, codec, dtype: torch.dtype = torch.float16, *,

@@ -122,37 +122,49 @@ def ring_step_triton(ring_k: Packed, ring_v: Packed, k: torch.Tensor, v: torch.T
 
 
 @triton.jit
-def _ring_index_kernel(SLOTS, LENS, REAL, GATHER, ROWS, KV_START, C, SCRATCH,
-                       NQ: tl.constexpr, W: tl.constexpr, NQP: tl.constexpr, WP: tl.constexpr):
+def _ring_index_kernel(SLOTS, LENS, PAGE_ROWS, REAL, GATHER, ROWS, KV_START, OLDER, slot0, C, SCRATCH,
+                       PAGE_SCRATCH, R: tl.constexpr, NQ: tl.constexpr, W: tl.constexpr,
+                       NQP: tl.constexpr, WP: tl.constexpr, HAS_SLOTS: tl.constexpr):
     """One agent per program: `reference.ring_indices_ref` for row g (positions are floored mod C,
-    as torch's %: a segment may start before the agent's first row)."""
+    as torch's %: a segment may start before the agent's first row). HAS_SLOTS False: agent g is
+    in slot slot0 + g (SLOTS unread)."""
     g = tl.program_id(0)
     L = tl.load(LENS + g).to(tl.int64)
-    base = tl.load(SLOTS + g).to(tl.int64) * C
+    if HAS_SLOTS:
+        base = tl.load(SLOTS + g).to(tl.int64) * C
+    else:
+        base = (slot0 + g).to(tl.int64) * C
     i = tl.arange(0, WP)
     pos = (L - W + i) % C
     tl.store(GATHER + g * W + i, base + tl.where(pos < 0, pos + C, pos), mask=i < W)
     j = tl.arange(0, NQP)
     jm = j < NQ
-    keep = (tl.load(REAL + g * NQ + j, mask=jm, other=0) != 0) & (j >= NQ - C)  # real, among the newest C
+    real = tl.load(PAGE_ROWS + g * NQ + j, mask=jm, other=PAGE_SCRATCH) != PAGE_SCRATCH
+    tl.store(REAL + g * NQ + j, real, mask=jm)
+    keep = real & (j >= NQ - C)  # among the newest C
     posj = (L - NQ + j) % C
     row = tl.where(keep, base + tl.where(posj < 0, posj + C, posj), SCRATCH)
     tl.store(ROWS + g * NQ + j, row, mask=jm)
     tl.store(KV_START + g, tl.minimum(tl.maximum(W - L, 0), W).to(tl.int32))
+    tl.store(OLDER + g, tl.maximum(L - R, 0).to(tl.int32))
 
 
-def ring_indices_triton(slots: torch.Tensor, lens: torch.Tensor, real: torch.Tensor, R: int, C: int,
-                        scratch_row: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def ring_indices_triton(slots, lens: torch.Tensor, page_rows: torch.Tensor, page_scratch: int, R: int,
+                        C: int, scratch_row: int) -> tuple[torch.Tensor, ...]:
     """See `reference.ring_indices_ref` (the same outputs, exactly): one launch where the torch
-    ops take about nine kernels of a captured step. slots, lens: integer [G]; real bool [G, n_q]
-    contiguous; all on one device."""
-    G, NQ = real.shape
+    ops take about thirteen kernels of a captured step. slots: a slice or integer [G]; lens integer
+    [G]; page_rows int64 [G, n_q] contiguous; all on one device."""
+    G, NQ = page_rows.shape
     W = R - 1 + NQ
-    dev = real.device
+    dev = page_rows.device
     gather = torch.empty(G, W, dtype=torch.int64, device=dev)
     rows = torch.empty(G, NQ, dtype=torch.int64, device=dev)
-    kv_start = torch.empty(G, dtype=torch.int32, device=dev)
+    real = torch.empty(G, NQ, dtype=torch.bool, device=dev)
+    kv_start, older = (torch.empty(G, dtype=torch.int32, device=dev) for _ in range(2))
     if G:
-        cached_launch(_ring_index_kernel, (G,), slots, lens, real, gather, rows, kv_start, int(C),
-                      int(scratch_row), NQ=NQ, W=W, NQP=next_pow2(NQ), WP=next_pow2(W), num_warps=1)
-    return gather, rows, kv_start
+        ranged = isinstance(slots, slice)
+        cached_launch(_ring_index_kernel, (G,), page_rows if ranged else slots, lens, page_rows, real, gather,
+                      rows, kv_start, older, (slots.start or 0) if ranged else 0, int(C), int(scratch_row),
+                      int(page_scratch), R=int(R), NQ=NQ, W=W, NQP=next_pow2(NQ), WP=next_pow2(W),
+                      HAS_SLOTS=not ranged, num_warps=1)
+    return gather, rows, kv_start, real, older

@@ -312,20 +312,14 @@ class AgentCache(Cache):
             if self.rings is None:
                 store.write(key_states, value_states, g.rows)
             else:
-                m = g.memo
-                if "slots" not in m:
-                    sel = g.sel
-                    m["slots"] = (torch.arange(sel.start, sel.stop, device=self.device)
-                                  if isinstance(sel, slice) else sel)
-                    m["real"] = g.rows != self.scratch_row()
                 # the page write rides on the ring step's launch on the kernels
                 on_kernels = dispatch.use_triton(key_states, store.k.codes)
                 pages = store.target(key_states.shape[0], g.rows) if on_kernels else None
                 if pages is None:
                     store.write(key_states, value_states, g.rows)
                 self._segments[layer_idx] = self.rings.write(
-                    layer_idx, key_states, value_states, m["slots"], g.lens, m["real"], memo=m,
-                    pages=pages)
+                    layer_idx, key_states, value_states, g.sel, g.lens, g.rows, self.scratch_row(),
+                    memo=g.memo, pages=pages)
         return key_states, value_states
 
     def attend(self, module, query, key, value, attention_mask, scaling=None, **kwargs):
@@ -367,7 +361,9 @@ class AgentCache(Cache):
         key = ("main", R)
         if key not in g.memo:
             lens = g.lens.to(device=query.device, dtype=torch.int32)
-            g.memo[key] = (lens, (lens - R).clamp_min(0), self.pages.device_table()[g.sel])
+            older = g.memo.get(("older", R))  # the ring's index launch made it (`AgentRings.write`)
+            g.memo[key] = (lens, (lens - R).clamp_min(0) if older is None else older,
+                           self.pages.device_table()[g.sel])
         lens, main, table = g.memo[key]
         P = self.pages.page_size
         common = dict(sm_scale=scaling, k_innerq=doc.key_scales, window=W, prefix_start=self.prefix_start[li],

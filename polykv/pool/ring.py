@@ -139,15 +139,17 @@ class AgentRings:
         for lay in self.layers:
             lay.copy_slot(src, dst)
 
-    def write(self, li: int, k: torch.Tensor, v: torch.Tensor, slots: torch.Tensor,
-              lens: torch.Tensor, real: torch.Tensor, memo: dict | None = None, pages=None):
+    def write(self, li: int, k: torch.Tensor, v: torch.Tensor, slots, lens: torch.Tensor,
+              page_rows: torch.Tensor, page_scratch: int, memo: dict | None = None, pages=None):
         """One forward's rows of layer li: k, v [G, Hkv, n_q, D] (true space, left-padded), slots
-        int64 [G], lens int [G] (lengths after the forward), real bool [G, n_q] (column written).
-        Stores the newest min(C, real columns) rows and returns the forward's window segment:
-        (k, v) Packed leading [G, Hkv, R - 1 + n_q] (row i = position L - n_q - R + 1 + i, q8_0)
-        and kv_start int32 [G] (rows at negative positions are not keys). memo: a dict shared by
-        the layers of one forward (the same slots, lens and real): the ring rows, positions and
-        masks, which depend on those and on (R, C) only, are computed by the first layer.
+        (a slice of consecutive slots, or int64 [G]), lens int [G] (lengths after the forward),
+        page_rows int64 [G, n_q] (the columns' page rows; page_scratch where the column is padding,
+        not written). Stores the newest min(C, real columns) rows and returns the forward's window
+        segment: (k, v) Packed leading [G, Hkv, R - 1 + n_q] (row i = position L - n_q - R + 1 + i,
+        q8_0) and kv_start int32 [G] (rows at negative positions are not keys). memo: a dict shared
+        by the layers of one forward (the same slots, lens and rows): the ring rows, positions and
+        masks, which depend on those and on (R, C) only, are computed by the first layer; it also
+        gets ("older", R): int32 [G] max(L - R, 0), the rows before each window (`AgentCache`).
         pages (`dispatch.KVTarget`): the rows' page write, done here too — in the ring step's
         launch on the kernels."""
         from ..kernels import dispatch
@@ -159,16 +161,16 @@ class AgentRings:
         key = (n_q, R, C, lay.scratch_row)
         idx = None if memo is None else memo.get(key)
         if idx is None:
-            idx = self._indices(slots, lens, real, n_q, R, C, lay.scratch_row, dev)
+            idx = self._indices(slots, lens, page_rows, page_scratch, n_q, R, C, lay.scratch_row, dev)
             if memo is not None:
                 memo[key] = idx
-        cols, gather_rows, col, rows, kv_start = idx
+                memo[("older", R)] = idx[-1]
+        cols, gather_rows, col, rows, kv_start, real, _ = idx
         if R - 1 + n_q <= C:
             # the segment's positions are distinct rows of the ring and every real column is kept
             # (n_q <= spare + 1: a decode or verify step): store, and read the segment as the
             # ring then holds it — one launch on the kernels (`dispatch.ring_step`)
-            seg_k, seg_v = dispatch.ring_step(lay.k, lay.v, k, v, rows, gather_rows, real.to(dev),
-                                              pages=pages)
+            seg_k, seg_v = dispatch.ring_step(lay.k, lay.v, k, v, rows, gather_rows, real, pages=pages)
             return seg_k, seg_v, kv_start
         if pages is not None:
             pages.write(k, v)
@@ -190,24 +192,24 @@ class AgentRings:
         return seg_k, seg_v, kv_start
 
     @staticmethod
-    def _indices(slots: torch.Tensor, lens: torch.Tensor, real: torch.Tensor, n_q: int, R: int,
+    def _indices(slots, lens: torch.Tensor, page_rows: torch.Tensor, page_scratch: int, n_q: int, R: int,
                  C: int, scratch_row: int, dev) -> tuple:
-        """What `write` derives from the forward's slots, lengths and real columns for rings of R
-        recent rows in C: (cols int64 [G, n_q] the quantize columns, the window segment's ring rows
-        int64 [G, R - 1 + n_q], its real-column mask bool [G, 1, n_q, 1], the rows to store int64
-        [G, n_q] (scratch where not kept), kv_start int32 [G]). Device ops only (captured steps),
+        """What `write` derives from the forward's slots, lengths and page rows for rings of R
+        recent rows in C (`reference.ring_indices_ref`): (cols int64 [G, n_q] the quantize columns,
+        the window segment's ring rows int64 [G, R - 1 + n_q], its real-column mask bool
+        [G, 1, n_q, 1], the rows to store int64 [G, n_q] (scratch where not kept), kv_start int32
+        [G], the real columns bool [G, n_q], older int32 [G]). Device ops only (captured steps),
         few of them: in a captured step each is a kernel of its own (issue F), so what depends on
         (n_q, R, C) alone is made once (`_ring_constants`), and on the kernels the rest is one
         launch (`dispatch.ring_indices`)."""
         from ..kernels import dispatch
 
         off, cols, newest = _ring_constants(n_q, R, C, dev)
-        r = real.to(dev)
         # segment row i at position L - W + i; column j (position L - n_q + j) kept where real and
         # among the newest C rows (no slot twice); on the kernels all of it in one launch
-        gather_rows, rows, kv_start = dispatch.ring_indices(slots.to(dev), lens.to(dev), r, R, C, scratch_row,
-                                                            off, newest)
-        return cols.expand(r.shape[0], n_q), gather_rows, r[:, None, :, None], rows, kv_start
+        gather_rows, rows, kv_start, real, older = dispatch.ring_indices(
+            slots, lens.to(dev), page_rows.to(dev), page_scratch, R, C, scratch_row, off, newest)
+        return cols.expand(real.shape[0], n_q), gather_rows, real[:, None, :, None], rows, kv_start, real, older
 
     def refill(self, li: int, slot: int, positions: list[int], k: torch.Tensor, v: torch.Tensor) -> None:
         """Write true-space rows k, v [Hkv, T, D] at `positions` of `slot` (a rollback deeper than

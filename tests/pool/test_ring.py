@@ -225,9 +225,11 @@ def test_indices_follow_their_definition(path, monkeypatch):
     """`AgentRings._indices` (the forward's ring rows: few torch ops, or one launch of
     `triton_ring._ring_index_kernel` — here through Triton's interpreter) against their
     definition element by element: segment row i of agent g at position L - W + i (W = R - 1 + n_q)
-    lives in ring row slot * C + position mod C; column j (position L - n_q + j) is stored where real
-    and among the newest C rows, else at the scratch row; kv_start = clamp(W - L, 0, W). Prompts
-    longer than the ring (n_q > C) and segments that start before the agent's first row included."""
+    lives in ring row slot * C + position mod C; column j (position L - n_q + j) is real where its
+    page row is not the pages' scratch row, and is stored where real and among the newest C rows,
+    else at the scratch row; kv_start = clamp(W - L, 0, W); older = max(L - R, 0). Slots as a slice
+    and as a tensor; prompts longer than the ring (n_q > C) and segments that start before the
+    agent's first row included."""
     from polykv.kernels import dispatch
     from polykv.pool.ring import AgentRings
 
@@ -243,18 +245,23 @@ def test_indices_follow_their_definition(path, monkeypatch):
         monkeypatch.setattr(triton_ring, "ring_indices_triton", lambda *a: launched.append(1) or run(*a))
 
     g = torch.Generator().manual_seed(3)
-    for n_q, R, C in [(1, 4, 6), (3, 4, 8), (9, 3, 4), (12, 8, 10), (5, 1, 2)]:
-        G, W, scratch = 4, R - 1 + n_q, 10_000
-        slots = torch.randperm(9, generator=g)[:G]
+    cases = [(1, 4, 6), (3, 4, 8), (9, 3, 4), (12, 8, 10), (5, 1, 2)]
+    for (n_q, R, C), ranged in zip(cases, (False, True, False, True, False)):
+        G, W, scratch, page_scratch = 4, R - 1 + n_q, 10_000, 777
+        # a decode step's consecutive slots (a slice), or any slots
+        slots = slice(3, 3 + G) if ranged else torch.randperm(9, generator=g)[:G]
         lens = torch.randint(0, 3 * W, (G,), generator=g, dtype=torch.int32)
         real = torch.rand(G, n_q, generator=g) > 0.25
-        cols, gather, col, rows, kv_start = AgentRings._indices(slots, lens, real, n_q, R, C, scratch, "cpu")
+        page_rows = torch.where(real, torch.randint(0, 700, (G, n_q), generator=g), page_scratch)
+        cols, gather, col, rows, kv_start, r, older = AgentRings._indices(slots, lens, page_rows, page_scratch,
+                                                                          n_q, R, C, scratch, "cpu")
         for a in range(G):
-            s, L = int(slots[a]), int(lens[a])
+            s, L = (3 + a if ranged else int(slots[a])), int(lens[a])
             assert gather[a].tolist() == [s * C + (L - W + i) % C for i in range(W)]
             assert rows[a].tolist() == [s * C + (L - n_q + j) % C if real[a, j] and L - n_q + j >= L - C
                                         else scratch for j in range(n_q)]
             assert int(kv_start[a]) == min(max(W - L, 0), W) and kv_start.dtype == torch.int32
-        assert cols.tolist() == [list(range(n_q))] * G and torch.equal(col[:, 0, :, 0], real)
+            assert int(older[a]) == max(L - R, 0) and older.dtype == torch.int32
+        assert cols.tolist() == [list(range(n_q))] * G and torch.equal(r, real) and torch.equal(col[:, 0, :, 0], real)
         assert gather.dtype == rows.dtype == torch.int64
     assert len(launched) == (5 if path == "triton" else 0)

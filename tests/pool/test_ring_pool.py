@@ -90,7 +90,7 @@ def test_window_indices_are_made_once_per_forward(tiny, monkeypatch):
     model, tok = tiny
     made, begun = [], []
     real, begin = AgentRings._indices, AgentCache.begin
-    monkeypatch.setattr(AgentRings, "_indices", staticmethod(lambda *a: made.append(a[3]) or real(*a)))
+    monkeypatch.setattr(AgentRings, "_indices", staticmethod(lambda *a: made.append(a[4]) or real(*a)))
     monkeypatch.setattr(AgentCache, "begin", lambda self, *a: begun.append(a) or begin(self, *a))
     pool = SharedKVPool(model, tok, k="q8_0", v="turbo3", recent=3, prefill_chunk=16)
     assert model.config.num_hidden_layers > 1
