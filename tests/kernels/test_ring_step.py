@@ -19,6 +19,11 @@ def _interpreter(interpreter):
     """Every test of this module through the interpreter (conftest.interpreter)."""
 
 
+def _page_rows(real: torch.Tensor) -> torch.Tensor:
+    """Page rows whose padding columns (not real) sit at the pages' scratch row -1."""
+    return torch.where(real, torch.zeros_like(real, dtype=torch.int64), -1)
+
+
 def _ring(g, H: int, rows: int, D: int) -> Packed:
     codes = torch.randint(-127, 128, (H, rows, D), generator=g, dtype=torch.int8)
     return Packed(codes, (torch.rand(H, rows, D // 32, generator=g) + 0.1).half())
@@ -42,7 +47,7 @@ def test_ring_step_matches_reference(n_q, R, spare, dtype):
     real[3, : n_q - 1] = False  # a left-padded agent (its first columns are not written)
     if n_q == 1:
         real[1] = False  # a padding row of the bucket
-    _, seg_rows, _, rows, _ = AgentRings._indices(slots, lens, real, n_q, R, C, scratch, "cpu")
+    _, seg_rows, _, rows, *_ = AgentRings._indices(slots, lens, _page_rows(real), -1, n_q, R, C, scratch, "cpu")
     k = (torch.randn(G, H, n_q, 2 * D, generator=g) * 3).to(dtype)[..., :D]  # strided rows
     v = (torch.randn(G, H, n_q, D, generator=g) * 3).to(dtype)
     ring_k, ring_v = _ring(g, H, scratch + 1, D), _ring(g, H, scratch + 1, D)
@@ -83,8 +88,8 @@ def test_ring_step_writes_the_pages_in_its_launch(kn, vn, innerq, n_q, spare, mo
     lens = torch.tensor([n_q + 5, n_q, n_q + 1])
     real = torch.ones(G, n_q, dtype=torch.bool)
     real[2, 0] = n_q == 1  # a left-padded agent where there are several columns
-    _, seg_rows, _, rows, _ = AgentRings._indices(torch.tensor([1, 0, 2]), lens, real, n_q, R, C,
-                                                 scratch, "cpu")
+    _, seg_rows, _, rows, *_ = AgentRings._indices(torch.tensor([1, 0, 2]), lens, _page_rows(real), -1, n_q, R,
+                                                   C, scratch, "cpu")
     k, v = (torch.randn(G, H, n_q, D, generator=g) * 3 for _ in range(2))
     kc, vc = get_codec(kn, D), get_codec(vn, D)
     s = torch.rand(H, D, generator=g) + 0.5 if innerq else None
