@@ -133,7 +133,7 @@ def _bench(model, tok, text, agents, workloads, methods, num_draft_tokens, max_n
     if requests_per_agent < 1:
         raise ValueError(f"requests_per_agent must be >= 1, got {requests_per_agent}")
 
-    def timed(prompts, spec, overlap=True):
+    def timed(prompts, spec, max_batch, overlap=True):
         # the outputs tree starts empty for every run: it would otherwise hold the very answers of
         # the previous runs of the same prompts (here they repeat; a deployment sees new questions)
         pool._docs[doc].outputs = None
@@ -142,7 +142,7 @@ def _bench(model, tok, text, agents, workloads, methods, num_draft_tokens, max_n
             torch.cuda.synchronize()
         t = time.perf_counter()
         try:
-            pool.generate(doc, prompts, max_new_tokens=max_new_tokens, speculative=spec, max_batch=width)
+            pool.generate(doc, prompts, max_new_tokens=max_new_tokens, speculative=spec, max_batch=max_batch)
         finally:
             pool.spec_overlap = True
         if dev.type == "cuda":
@@ -153,23 +153,23 @@ def _bench(model, tok, text, agents, workloads, methods, num_draft_tokens, max_n
     for wl in workloads:
         qs = WORKLOADS[wl]
         for n in agents:
+            # n agents decode at once (max_batch); with requests_per_agent > 1 the other prompts wait
             prompts = [qs[i % len(qs)] for i in range(n * requests_per_agent)]
-            width = n  # agents decoding at once (max_batch); the other prompts wait for a slot
             for method in methods:
                 spec = {"method": method, "num_draft_tokens": num_draft_tokens, "adaptive": adaptive}
                 # warm-up of both paths at this batch size: Triton compiles and the graph captures
                 # of its buckets and widths (kept by the pool for the later calls)
-                warm = [timed(prompts, None)[1]["graph_captures"], timed(prompts, spec)[1]["graph_captures"]]
+                warm = [timed(prompts, None, n)[1]["graph_captures"], timed(prompts, spec, n)[1]["graph_captures"]]
                 base_s, spec_s, sync_s, caps = [], [], [], [0, 0, 0]
                 for _ in range(repeats):
-                    s, base = timed(prompts, None)
+                    s, base = timed(prompts, None, n)
                     base_s.append(s)
                     caps[0] += base["graph_captures"]
-                    s, sp = timed(prompts, spec)
+                    s, sp = timed(prompts, spec, n)
                     spec_s.append(s)
                     caps[1] += sp["graph_captures"]
                     if sync:
-                        s, sy = timed(prompts, spec, overlap=False)
+                        s, sy = timed(prompts, spec, n, overlap=False)
                         sync_s.append(s)
                         caps[2] += sy["graph_captures"]
                 new = sum(base["new_tokens"])

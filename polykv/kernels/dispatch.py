@@ -460,16 +460,14 @@ def ring_indices(slots, lens: torch.Tensor, page_rows: torch.Tensor, page_scratc
                  newest: torch.Tensor | None = None) -> tuple[torch.Tensor, ...]:
     """A forward's recent-window ring rows (`reference.ring_indices_ref` defines them: gather int64
     [G, W], rows int64 [G, n_q], kv_start int32 [G], real bool [G, n_q], older int32 [G]); slots a
-    slice or integer [G], lens integer [G] and page_rows int64 [G, n_q] on the ring's device. On the
-    Triton path one launch (`triton_ring`); off / newest are the reference's precomputed
+    slice or integer [G], lens integer [G] and page_rows int64 [G, n_q], all on the ring's device.
+    On the Triton path one launch (`triton_ring`); off / newest are the reference's precomputed
     constants, unused there."""
     if use_triton(page_rows):
         _k()
         from .triton_ring import ring_indices_triton
 
-        dev = page_rows.device
-        return ring_indices_triton(slots if isinstance(slots, slice) else slots.to(dev), lens.to(dev),
-                                   page_rows.contiguous(), page_scratch, R, C, scratch_row)
+        return ring_indices_triton(slots, lens, page_rows.contiguous(), page_scratch, R, C, scratch_row)
     return ref.ring_indices_ref(slots, lens, page_rows, page_scratch, R, C, scratch_row, off, newest)
 
 

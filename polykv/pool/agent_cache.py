@@ -361,9 +361,8 @@ class AgentCache(Cache):
         key = ("main", R)
         if key not in g.memo:
             lens = g.lens.to(device=query.device, dtype=torch.int32)
-            older = g.memo.get(("older", R))  # the ring's index launch made it (`AgentRings.write`)
-            g.memo[key] = (lens, (lens - R).clamp_min(0) if older is None else older,
-                           self.pages.device_table()[g.sel])
+            # the older rows' lengths max(L - R, 0): made with the ring's indices (`AgentRings.write`)
+            g.memo[key] = (lens, g.memo[("older", R)], self.pages.device_table()[g.sel])
         lens, main, table = g.memo[key]
         P = self.pages.page_size
         common = dict(sm_scale=scaling, k_innerq=doc.key_scales, window=W, prefix_start=self.prefix_start[li],

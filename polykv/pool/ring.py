@@ -207,6 +207,7 @@ class AgentRings:
         off, cols, newest = _ring_constants(n_q, R, C, dev)
         # segment row i at position L - W + i; column j (position L - n_q + j) kept where real and
         # among the newest C rows (no slot twice); on the kernels all of it in one launch
+        slots = slots if isinstance(slots, slice) else slots.to(dev)
         gather_rows, rows, kv_start, real, older = dispatch.ring_indices(
             slots, lens.to(dev), page_rows.to(dev), page_scratch, R, C, scratch_row, off, newest)
         return cols.expand(real.shape[0], n_q), gather_rows, real[:, None, :, None], rows, kv_start, real, older
