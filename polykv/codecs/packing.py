@@ -14,6 +14,8 @@ the low nibble, value j + head_dim/2 in the high nibble).
 
 from __future__ import annotations
 
+import sys
+
 import torch
 
 
@@ -27,9 +29,43 @@ def _pack_pow2(idx: torch.Tensor, bits: int) -> torch.Tensor:
 
 def _unpack_pow2(packed: torch.Tensor, bits: int, n: int) -> torch.Tensor:
     per_byte = 8 // bits
+    words = _words(packed)
+    if words is not None:  # 8 bytes per op: byte j's r-th field is lane j of (word >> r * bits) & mask
+        v = (words[..., None, :] >> _shifts(bits, packed.device)[:, None]) & _LANE_MASK[bits]
+        return v.view(torch.uint8).reshape(*packed.shape[:-1], packed.shape[-1] * per_byte)[..., :n]
     shifts = torch.arange(per_byte, device=packed.device, dtype=torch.int32) * bits
     v = (packed.to(torch.int32)[..., None, :] >> shifts[:, None]) & ((1 << bits) - 1)
     return v.reshape(*packed.shape[:-1], packed.shape[-1] * per_byte)[..., :n].to(torch.uint8)
+
+
+#: `bits`-wide all-ones in each byte of a 64-bit word: the fields of 8 bytes masked at once.
+_LANE_MASK = {b: int.from_bytes(bytes([(1 << b) - 1]) * 8, "little") for b in (1, 2, 4)}
+_SHIFTS: dict = {}
+
+
+def _shifts(bits: int, device) -> torch.Tensor:
+    """int64 [8 // bits]: the bit offsets of a byte's fields, one tensor per (bits, device)."""
+    key = (bits, device)
+    t = _SHIFTS.get(key)
+    if t is None:
+        t = _SHIFTS[key] = torch.arange(0, 8, bits, dtype=torch.int64, device=device)
+    return t
+
+
+def _words(packed: torch.Tensor) -> torch.Tensor | None:
+    """packed uint8 [..., nb] viewed as int64 [..., nb / 8] (little-endian hosts: byte j of a row is
+    byte j % 8 of word j // 8), or None where no such view exists (nb not a multiple of 8, a last
+    dim that is not contiguous or not 8-byte aligned): those rows take the per-byte path (the same
+    values, CPU decode ~4x slower)."""
+    if not _LITTLE or packed.dtype != torch.uint8 or packed.shape[-1] % 8 or not packed.numel():
+        return None
+    try:
+        return packed.view(torch.int64)
+    except RuntimeError:
+        return None
+
+
+_LITTLE = sys.byteorder == "little"
 
 
 def packed_bytes(n: int, bits: int) -> int:

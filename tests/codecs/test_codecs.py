@@ -240,6 +240,42 @@ def test_packing_roundtrip(bits):
     assert torch.equal(unpack_indices(packed, bits, 128), idx)
 
 
+@pytest.mark.parametrize("bits", [1, 2, 3, 4])
+def test_unpack_word_and_byte_paths_agree(bits):
+    """Rows whose bytes can be read as 64-bit words unpack 8 bytes per operation (packing._words);
+    rows that cannot (a length not a multiple of 8 bytes, a view starting mid-word) take the
+    per-byte path. Both give the documented layout (spec_unpack)."""
+    from polykv.codecs import packing
+
+    n = 128
+    idx = torch.randint(0, 1 << bits, (5, 3, n + 8), dtype=torch.uint8)
+    packed = pack_indices(idx, bits)
+    whole = pack_indices(idx[..., :n], bits)
+    assert packing._words(whole) is not None  # the word path runs on whole rows
+    assert torch.equal(unpack_indices(whole, bits, n), idx[..., :n])
+    # a view one byte into a wider row: no 8-byte-aligned word view, the byte path
+    wide = torch.cat([torch.zeros(5, 3, 1, dtype=torch.uint8), whole], -1)[..., 1:]
+    assert packing._words(wide) is None
+    assert torch.equal(unpack_indices(wide, bits, n), idx[..., :n])
+    # rows of n + 8 values: 3-bit planes of 34 / 17 bytes, 1-bit 17, 4-bit 68 (a multiple of 4, not 8)
+    got = unpack_indices(packed, bits, n + 8)
+    assert torch.equal(got, idx) and torch.equal(got.long(), spec_unpack(packed, bits, n + 8))
+
+
+@pytest.mark.parametrize("name", ["turbo2", "turbo3", "turbo4", "turbo8"])
+@pytest.mark.parametrize("head_dim", [64, 256])
+def test_turbo_decode_is_the_centroid_times_the_norm_exactly(name, head_dim):
+    """decode_rotated reads two centroids per gather (`TurboCodec._pair_table`) for contiguous
+    codes: the very floats of centroid[index] * norm, bit for bit, contiguous or not."""
+    codec = get_codec(name, head_dim)
+    p = codec.encode(torch.randn(6, 7, head_dim) * 3)
+    cent = codec.tables("cpu")[0]
+    want = (cent[codec.indices(p).long()] * p.scales.float()[..., None]).reshape(6, 7, head_dim)
+    assert torch.equal(codec.decode_rotated(p), want)
+    sub = p.index((slice(None), slice(1, 6, 2)))  # rows 1, 3, 5: non-contiguous codes
+    assert torch.equal(codec.decode_rotated(sub), want[:, 1:6:2])
+
+
 def test_turbo3_plane_layout():
     # planar: value i of n=32: low two bits in byte i % 8 at bits 2*(i // 8); high bit in byte
     # n/4 + i % 4 at bit i // 4
