@@ -19,6 +19,11 @@ import sys
 import torch
 
 
+_LITTLE = sys.byteorder == "little"
+#: `bits`-wide all-ones in each byte of a 64-bit word: the fields of 8 bytes masked at once.
+_LANE_MASK = {b: int.from_bytes(bytes([(1 << b) - 1]) * 8, "little") for b in (1, 2, 4)}
+
+
 def _pack_pow2(idx: torch.Tensor, bits: int) -> torch.Tensor:
     per_byte = 8 // bits
     n = idx.shape[-1]
@@ -31,25 +36,14 @@ def _unpack_pow2(packed: torch.Tensor, bits: int, n: int) -> torch.Tensor:
     per_byte = 8 // bits
     words = _words(packed)
     if words is not None:  # 8 bytes per op: byte j's r-th field is lane j of (word >> r * bits) & mask
-        v = (words[..., None, :] >> _shifts(bits, packed.device)[:, None]) & _LANE_MASK[bits]
+        # the shifts made per call, never cached: a call captured into a CUDA graph makes them
+        # at replay (a tensor cached at capture time would hold what the capture never wrote)
+        shifts = torch.arange(0, 8, bits, dtype=torch.int64, device=packed.device)
+        v = (words[..., None, :] >> shifts[:, None]) & _LANE_MASK[bits]
         return v.view(torch.uint8).reshape(*packed.shape[:-1], packed.shape[-1] * per_byte)[..., :n]
     shifts = torch.arange(per_byte, device=packed.device, dtype=torch.int32) * bits
     v = (packed.to(torch.int32)[..., None, :] >> shifts[:, None]) & ((1 << bits) - 1)
     return v.reshape(*packed.shape[:-1], packed.shape[-1] * per_byte)[..., :n].to(torch.uint8)
-
-
-#: `bits`-wide all-ones in each byte of a 64-bit word: the fields of 8 bytes masked at once.
-_LANE_MASK = {b: int.from_bytes(bytes([(1 << b) - 1]) * 8, "little") for b in (1, 2, 4)}
-_SHIFTS: dict = {}
-
-
-def _shifts(bits: int, device) -> torch.Tensor:
-    """int64 [8 // bits]: the bit offsets of a byte's fields, one tensor per (bits, device)."""
-    key = (bits, device)
-    t = _SHIFTS.get(key)
-    if t is None:
-        t = _SHIFTS[key] = torch.arange(0, 8, bits, dtype=torch.int64, device=device)
-    return t
 
 
 def _words(packed: torch.Tensor) -> torch.Tensor | None:
@@ -63,9 +57,6 @@ def _words(packed: torch.Tensor) -> torch.Tensor | None:
         return packed.view(torch.int64)
     except RuntimeError:
         return None
-
-
-_LITTLE = sys.byteorder == "little"
 
 
 def packed_bytes(n: int, bits: int) -> int:
