@@ -67,6 +67,26 @@ def _cached_centroids(bits: int, group: int) -> torch.Tensor:
     return torch.tensor(c, dtype=torch.float32)
 
 
+_PAIRS: dict = {}
+
+
+def pair_table(bits: int, group: int, device: str) -> torch.Tensor:
+    """int64 [2**(8 + bits)] on `device`: entry a | b << 8 holds centroids a and b of
+    `turbo_codebook(bits, group)` as two float32 (a first in memory), for decoding two indices per
+    gather. One per (bits, group, device), shared by every codec of that size: a constant of the
+    format like the codebook, held by no cache."""
+    key = (bits, group, device)
+    t = _PAIRS.get(key)
+    if t is None:
+        cent = turbo_codebook(bits, group)[0]
+        k = 1 << bits
+        both = torch.zeros(1 << (8 + bits), 2, dtype=torch.float32)
+        a, b = torch.meshgrid(torch.arange(k), torch.arange(k), indexing="ij")
+        both[(a | b << 8).reshape(-1)] = torch.stack([cent[a], cent[b]], -1).reshape(-1, 2)
+        t = _PAIRS[key] = both.view(torch.int64).reshape(-1).to(device)
+    return t
+
+
 class TurboCodec(Codec):
     rotated = True
 
@@ -80,7 +100,6 @@ class TurboCodec(Codec):
         self._group_bytes = packed_bytes(self.group, bits)
         cent, bounds = turbo_codebook(bits, self.group)
         self._tables: dict[str, tuple[torch.Tensor, torch.Tensor]] = {"cpu": (cent, bounds)}
-        self._pairs: dict[str, torch.Tensor] = {}  # device -> `_pair_table`
 
     def tables(self, device) -> tuple[torch.Tensor, torch.Tensor]:
         """(centroids [2**bits], boundaries [2**bits-1]) float32 on `device`."""
@@ -120,33 +139,17 @@ class TurboCodec(Codec):
 
     def decode_rotated(self, p: Packed) -> torch.Tensor:
         idx = self.indices(p)  # uint8 [..., n_groups, G]
-        pairs = self._pair_table(p.codes.device) if self.bits <= 4 and idx.is_contiguous() else None
-        if pairs is not None:
+        if _LITTLE and self.bits <= 4 and idx.is_contiguous():
             # two centroids per gather: the index pair (a, b) of values 2i, 2i + 1 read as one
-            # int16 a | b << 8 selects both floats at once (host time: half the gathers of a
+            # int16 a | b << 8 (little-endian) selects both floats at once (half the gathers of a
             # centroid lookup per value; the same floats)
+            pairs = pair_table(self.bits, self.group, str(p.codes.device))
             y = torch.index_select(pairs, 0, idx.view(torch.int16).reshape(-1).to(torch.int32))
             y = y.view(torch.float32).reshape(idx.shape)
         else:
             y = self.tables(p.codes.device)[0][idx.long()]
         y = y * p.scales.float()[..., None]
         return y.reshape(*p.codes.shape[:-1], self.head_dim)
-
-    def _pair_table(self, device) -> torch.Tensor | None:
-        """int64 [2**(8 + bits)]: entry a | b << 8 holds centroids a and b as two float32 (a first
-        in memory); None on a big-endian host (the int16 view reads the pair the other way)."""
-        if not _LITTLE:
-            return None
-        key = str(torch.device(device))
-        t = self._pairs.get(key)
-        if t is None:
-            cent = self._tables["cpu"][0]
-            k = 1 << self.bits
-            both = torch.zeros(1 << (8 + self.bits), 2, dtype=torch.float32)
-            a, b = torch.meshgrid(torch.arange(k), torch.arange(k), indexing="ij")
-            both[(a | b << 8).reshape(-1)] = torch.stack([cent[a], cent[b]], -1).reshape(-1, 2)
-            t = self._pairs[key] = both.view(torch.int64).reshape(-1).to(device)
-        return t
 
     def decode(self, p: Packed) -> torch.Tensor:
         return unrotate(self.decode_rotated(p), self.group)

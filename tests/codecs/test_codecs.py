@@ -265,7 +265,7 @@ def test_unpack_word_and_byte_paths_agree(bits):
 @pytest.mark.parametrize("name", ["turbo2", "turbo3", "turbo4", "turbo8"])
 @pytest.mark.parametrize("head_dim", [64, 256])
 def test_turbo_decode_is_the_centroid_times_the_norm_exactly(name, head_dim):
-    """decode_rotated reads two centroids per gather (`TurboCodec._pair_table`) for contiguous
+    """decode_rotated reads two centroids per gather (`turbo.pair_table`) for contiguous
     codes: the very floats of centroid[index] * norm, bit for bit, contiguous or not."""
     codec = get_codec(name, head_dim)
     p = codec.encode(torch.randn(6, 7, head_dim) * 3)
