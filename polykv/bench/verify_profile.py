@@ -1,0 +1,146 @@
+"""What a verify step costs against a plain decode step (issue I), and where the difference goes.
+
+    PYTHONPATH=. python3 polykv/bench/verify_profile.py [--agents 32] [--ctx 2048] [--widths 0,1,2,4]
+
+On the H200 a verify step of 2-4 drafts took 5.9-7.1 ms against 4.7-5.1 ms for a plain step at 32
+agents (SmolLM2, BENCHMARKS §8.7), though it runs the same kernels: the interpreter counts the same
+Triton launches for both and 5-9 more torch ops (session 18). So some kernels take longer with the
+verify's query rows (agents x q heads x (width + 1) per KV head). This bench measures it: a
+random-initialised model of SmolLM2-135M's shape (30 layers, 9 q / 3 KV heads, head_dim 64, bf16 on
+CUDA; timing does not depend on trained weights), one document of `ctx` random tokens, K q8_0 / V
+turbo3 with the default recent window, `agents` agents in one batch with captured steps. Per width
+w (0: a plain step; w > 0: every agent feeds its token and w drafts, which the random model
+rejects, so every step is a full-width verify and its rollback): the median wall time of `steps`
+steps (synchronised: host work included) and, profiled, the device time per step and its top
+kernels. Writes verify_profile.json under --out.
+
+`device="cpu"` (the smoke test): eager, no profiler, a tiny model.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import time
+
+import torch
+
+
+def smollm2_shape(device, dtype=torch.bfloat16, layers: int = 30, tiny: bool = False):
+    """Random-initialised LlamaForCausalLM with SmolLM2-135M's shape (tiny: 2 layers, a small
+    vocabulary, the same heads and head_dim)."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    cfg = LlamaConfig(hidden_size=576, intermediate_size=1536, num_hidden_layers=2 if tiny else layers,
+                      num_attention_heads=9, num_key_value_heads=3, head_dim=64,
+                      vocab_size=512 if tiny else 49152, max_position_embeddings=8192,
+                      rope_theta=100000.0, tie_word_embeddings=True)
+    torch.manual_seed(0)
+    with torch.device(device):
+        model = LlamaForCausalLM(cfg).to(dtype)
+    return model.eval()
+
+
+def _profile_top(prof, steps: int, n: int = 20) -> tuple[float, list]:
+    ka = prof.key_averages()
+    dev = sorted((e for e in ka if getattr(e, "device_time_total", 0) > 0), key=lambda e: -e.device_time_total)
+    total = sum(e.device_time_total for e in dev if e.device_type == torch.autograd.DeviceType.CUDA)
+    return total / 1e3 / steps, [{"name": e.key[:90], "ms_per_step": e.device_time_total / 1e3 / steps,
+                                  "calls_per_step": e.count / steps} for e in dev[:n]]
+
+
+def run(agents: int = 32, ctx: int = 2048, widths=(0, 1, 2, 4), steps: int = 6, layers: int = 30,
+        device: str = "cuda", recent: int = 8, log=print) -> dict:
+    from polykv.pool import SharedKVPool
+
+    cuda = device == "cuda"
+    if cuda:
+        torch.backends.cuda.enable_cudnn_sdp(False)
+    model = smollm2_shape(device, torch.bfloat16 if cuda else torch.float32, layers, tiny=not cuda)
+    V = model.config.vocab_size
+    g = torch.Generator().manual_seed(0)
+    pool = SharedKVPool(model, None, k="q8_0", v="turbo3", progress=False, recent=recent)
+    doc = pool.add_document(torch.randint(3, V, (ctx,), generator=g).tolist())
+    kmax = max(widths)
+    # 3 x steps per width (warm-up, timed, profiled), each adding 1 row per agent when its drafts
+    # are rolled back and at most kmax + 1 otherwise
+    cap = 16 + 3 * steps * len(widths) * (kmax + 1) + 8
+    rows = []
+    with torch.inference_mode(), pool.open_batch(doc, capacity=agents, seq_capacity=cap, graphs=cuda) as b:
+        if kmax:
+            b.expect_drafts(kmax)  # every verify width captured up front
+        for _ in range(agents):
+            b.add(torch.randint(3, V, (16,), generator=g).tolist())
+        toks = b.step_tokens()
+
+        def step(w):
+            nonlocal toks
+            if w == 0:
+                b.feed(toks)
+                toks = b.step_tokens()
+            else:
+                # drafts a random model all but never accepts: every step a full-width verify
+                b.feed(toks, {a: [3 + (t % (V - 3))] * w for a, t in toks.items()})
+                toks = {a: ids[-1] for a, ids in b.step_verify().items()}
+
+        for w in widths:
+            for _ in range(steps):  # warm-up: captures, first replays
+                step(w)
+            walls = []
+            for _ in range(steps):
+                if cuda:
+                    torch.cuda.synchronize()
+                t0 = time.perf_counter()
+                step(w)
+                if cuda:
+                    torch.cuda.synchronize()
+                walls.append((time.perf_counter() - t0) * 1e3)
+            row = dict(width=w, query_rows_per_kv_head=agents * 3 * (w + 1),
+                       ms_wall_median=round(statistics.median(walls), 3), ms_wall=[round(x, 3) for x in walls])
+            if cuda:
+                with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU,
+                                                        torch.profiler.ProfilerActivity.CUDA]) as prof:
+                    for _ in range(steps):
+                        step(w)
+                    torch.cuda.synchronize()
+                row["device_ms_per_step"], row["top"] = _profile_top(prof, steps)
+            rows.append(row)
+            log(f"width {w}: wall {row['ms_wall_median']:.3f} ms/step"
+                + (f", device {row['device_ms_per_step']:.3f} ms/step" if cuda else ""))
+    pool.close()
+    base = rows[0]["ms_wall_median"] if rows and rows[0]["width"] == 0 else None
+    for r in rows:
+        if base:
+            r["wall_over_plain"] = round(r["ms_wall_median"] / base, 3)
+    return dict(rows=rows, agents=agents, ctx=ctx, layers=model.config.num_hidden_layers, recent=recent,
+                device=torch.cuda.get_device_name() if cuda else "cpu", torch=torch.__version__,
+                date=time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime()))
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--agents", type=int, default=32)
+    ap.add_argument("--ctx", type=int, default=2048)
+    ap.add_argument("--widths", default="0,1,2,4")
+    ap.add_argument("--steps", type=int, default=6)
+    ap.add_argument("--layers", type=int, default=30)
+    ap.add_argument("--recent", type=int, default=8)
+    ap.add_argument("--out", default=os.environ.get("OUT", "."))
+    a = ap.parse_args()
+    res = run(a.agents, a.ctx, tuple(int(x) for x in a.widths.split(",")), a.steps, a.layers, recent=a.recent)
+    with open(os.path.join(a.out, "verify_profile.json"), "w") as f:
+        json.dump(res, f, indent=1)
+    base = {r["width"]: r for r in res["rows"]}.get(0)
+    for r in res["rows"]:
+        print(f"== width {r['width']} ({r['query_rows_per_kv_head']} rows per KV head): wall {r['ms_wall_median']:.3f} ms, "
+              f"device {r['device_ms_per_step']:.3f} ms/step")
+        for t in r["top"][:12]:
+            b = next((x for x in (base or {}).get("top", []) if x["name"] == t["name"]), None)
+            print(f"  {t['ms_per_step']:8.3f} ms (plain {b['ms_per_step'] if b else float('nan'):7.3f})"
+                  f"  x{t['calls_per_step']:5.1f}  {t['name']}")
+
+
+if __name__ == "__main__":
+    main()

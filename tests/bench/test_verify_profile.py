@@ -1,0 +1,22 @@
+"""`polykv.bench.verify_profile` on the CPU (tiny SmolLM2-shape model, eager): every width's steps
+run, plain and verify, and their rows are reported."""
+
+from polykv.bench.verify_profile import run
+from polykv.pool import agents as agents_mod
+
+
+def test_verify_profile_rows_cpu(monkeypatch):
+    keeps = []
+    forward = agents_mod.AgentBatch._forward
+
+    def recorded(self, group, keep=0, *a, **kw):
+        keeps.append(keep)
+        return forward(self, group, keep, *a, **kw)
+
+    monkeypatch.setattr(agents_mod.AgentBatch, "_forward", recorded)
+    r = run(agents=2, ctx=48, widths=(0, 2), steps=2, device="cpu", log=lambda *_: None)
+    assert [x["width"] for x in r["rows"]] == [0, 2]
+    assert [x["query_rows_per_kv_head"] for x in r["rows"]] == [6, 18]
+    assert all(x["ms_wall_median"] > 0 and len(x["ms_wall"]) == 2 for x in r["rows"])
+    assert r["rows"][0]["wall_over_plain"] == 1.0 and r["layers"] == 2
+    assert keeps.count(3) == 4  # the width-2 steps (2 warm-up, 2 timed) were verify forwards of 3 columns
