@@ -134,8 +134,8 @@ def main() -> None:
         json.dump(res, f, indent=1)
     base = {r["width"]: r for r in res["rows"]}.get(0)
     for r in res["rows"]:
-        print(f"== width {r['width']} ({r['query_rows_per_kv_head']} rows per KV head): wall {r['ms_wall_median']:.3f} ms, "
-              f"device {r['device_ms_per_step']:.3f} ms/step")
+        print(f"== width {r['width']} ({r['query_rows_per_kv_head']} rows per KV head): "
+              f"wall {r['ms_wall_median']:.3f} ms, device {r['device_ms_per_step']:.3f} ms/step")
         for t in r["top"][:12]:
             b = next((x for x in (base or {}).get("top", []) if x["name"] == t["name"]), None)
             print(f"  {t['ms_per_step']:8.3f} ms (plain {b['ms_per_step'] if b else float('nan'):7.3f})"
