@@ -23,8 +23,8 @@ from .packing import pack_indices, packed_bytes, unpack_indices
 from .rotation import rotate, unrotate
 
 MAX_GROUP = 128
-_LITTLE = sys.byteorder == "little"
 MIN_GROUP = 32
+_LITTLE = sys.byteorder == "little"  # the pair table reads two uint8 indices as one int16
 
 
 def turbo_group_size(head_dim: int) -> int:
