@@ -17,6 +17,16 @@ import time
 import torch
 
 
+def top_kernels(prof, steps: int, n: int = 20) -> tuple[float, list]:
+    """(device ms per step, the n kernels of most device time: name, ms and calls per step) of a
+    torch.profiler run over `steps` steps."""
+    ka = prof.key_averages()
+    dev = sorted((e for e in ka if getattr(e, "device_time_total", 0) > 0), key=lambda e: -e.device_time_total)
+    total = sum(e.device_time_total for e in dev if e.device_type == torch.autograd.DeviceType.CUDA)
+    return total / 1e3 / steps, [{"name": e.key[:90], "ms_per_step": e.device_time_total / 1e3 / steps,
+                                  "calls_per_step": e.count / steps} for e in dev[:n]]
+
+
 def main() -> None:
     from polykv.bench.gpu_integration import build_model
     from polykv.pool import SharedKVPool
@@ -60,15 +70,10 @@ def main() -> None:
                     toks = b.step_tokens()
                     walls.append((time.perf_counter() - t0) * 1e3)
             del aids
-        ka = prof.key_averages()
-        dev = sorted((e for e in ka if getattr(e, "device_time_total", 0) > 0),
-                     key=lambda e: -e.device_time_total)
-        tot_dev = sum(e.device_time_total for e in dev if e.device_type == torch.autograd.DeviceType.CUDA)
+        device_ms, top = top_kernels(prof, args.steps, 25)
         name = ("graph+compile" if compiled else "graph") if graphs else "eager"
-        res[name] = {"ms_wall_median": sorted(walls)[len(walls) // 2],
-                     "device_ms_per_step": tot_dev / 1e3 / args.steps,
-                     "top": [{"name": e.key[:90], "ms_per_step": e.device_time_total / 1e3 / args.steps,
-                              "calls_per_step": e.count / args.steps} for e in dev[:25]]}
+        res[name] = {"ms_wall_median": sorted(walls)[len(walls) // 2], "device_ms_per_step": device_ms,
+                     "top": top}
     with open(os.path.join(args.out, "step_profile.json"), "w") as f:
         json.dump(res, f, indent=1)
     for name, r in res.items():

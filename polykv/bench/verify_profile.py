@@ -43,16 +43,9 @@ def smollm2_shape(device, dtype=torch.bfloat16, layers: int = 30, tiny: bool = F
     return model.eval()
 
 
-def _profile_top(prof, steps: int, n: int = 20) -> tuple[float, list]:
-    ka = prof.key_averages()
-    dev = sorted((e for e in ka if getattr(e, "device_time_total", 0) > 0), key=lambda e: -e.device_time_total)
-    total = sum(e.device_time_total for e in dev if e.device_type == torch.autograd.DeviceType.CUDA)
-    return total / 1e3 / steps, [{"name": e.key[:90], "ms_per_step": e.device_time_total / 1e3 / steps,
-                                  "calls_per_step": e.count / steps} for e in dev[:n]]
-
-
 def run(agents: int = 32, ctx: int = 2048, widths=(0, 1, 2, 4), steps: int = 6, layers: int = 30,
         device: str = "cuda", recent: int = 8, log=print) -> dict:
+    from polykv.bench.step_profile import top_kernels
     from polykv.pool import SharedKVPool
 
     cuda = device == "cuda"
@@ -105,7 +98,7 @@ def run(agents: int = 32, ctx: int = 2048, widths=(0, 1, 2, 4), steps: int = 6, 
                     for _ in range(steps):
                         step(w)
                     torch.cuda.synchronize()
-                row["device_ms_per_step"], row["top"] = _profile_top(prof, steps)
+                row["device_ms_per_step"], row["top"] = top_kernels(prof, steps)
             rows.append(row)
             log(f"width {w}: wall {row['ms_wall_median']:.3f} ms/step"
                 + (f", device {row['device_ms_per_step']:.3f} ms/step" if cuda else ""))
