@@ -627,7 +627,7 @@ def decode_parts(qp: torch.Tensor, n_q: int, k: Packed, v: Packed, k_codec, v_co
                  page_table: torch.Tensor | None = None, page_size: int = 0,
                  kv_start: torch.Tensor | None = None, q_shift: torch.Tensor | None = None,
                  vector_factors: bool = True, split_len: int | None = None,
-                 max_split: int = 0, chunks=None, total_rows: int = 0,
+                 max_split: int = 0, chunks=None, total_rows: int = 0, pdl: bool = True,
                  rec: list | None = None) -> SplitParts:
     """The split-KV pass (stage 1) of a decode call. qp: [B, Hkv, M, D] contiguous (any float dtype), already in K's storage domain (rotated / InnerQ-
     divided), rows r = head_in_group * n_q + j. k, v: Packed leading [B or 1, Hkv, S_cap].
@@ -650,6 +650,9 @@ def decode_parts(qp: torch.Tensor, n_q: int, k: Packed, v: Packed, k_codec, v_co
     are left padding, never keys. q_shift int32 [B]: sequence b's queries sit q_shift[b] rows
     after its last key (at kv_len + q_shift - n_q + j; default 0), for the causal and window
     masks — keys that end before the queries (`dispatch.cascade_attention`'s windowed prefix).
+    pdl: the phase kernel launches as a programmatic dependent where the device allows (`pdl_ok`);
+    False for a pass queued right behind another split pass (a windowed cascade's second and third
+    passes: launched early, they start beside the running pass and slow it, BENCHMARKS §5.17).
     Returns the splits' partial results (`SplitParts`; rows
     [B, Hkv, M], V's storage domain). rec: the launch's plan (`_DecodePlan`, None where this call
     is not planned) is appended to it."""
@@ -664,7 +667,7 @@ def decode_parts(qp: torch.Tensor, n_q: int, k: Packed, v: Packed, k_codec, v_co
                     window, sm_scale, _tkey(page_table), page_size, _tkey(kv_start), _tkey(q_shift),
                     block_m_max,
                     target_programs, num_warps, num_stages, block_n, dec, impl, maxnreg,
-                    vector_factors, split_len, max_split)
+                    vector_factors, split_len, max_split, pdl)
         p = _PLANS.get(plan_key)
         if p is not None:
             if rec is not None:
@@ -775,7 +778,7 @@ def decode_parts(qp: torch.Tensor, n_q: int, k: Packed, v: Packed, k_codec, v_co
             HAS_QSHIFT=q_shift is not None, KA0=ka[0], KA1=ka[1], KA2=ka[2], KA3=ka[3], KA4=ka[4], KA5=ka[5], KA6=ka[6],
             KA7=ka[7], VA0=va[0], VA1=va[1], VA2=va[2], VA3=va[3], VA4=va[4], VA5=va[5],
             VA6=va[6], VA7=va[7], num_warps=num_warps, num_stages=num_stages, **extra,
-            **({"PDL": True, "launch_pdl": True} if phase and pdl_ok(dev) else {}),
+            **({"PDL": True, "launch_pdl": True} if phase and pdl and pdl_ok(dev) else {}),
             plan=13 if plan_key is not None else 0)
 
     for i, part in enumerate(chunks):

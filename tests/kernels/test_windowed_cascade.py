@@ -184,3 +184,35 @@ def test_combine_reads_more_splits_than_one_tile():
     assert parts.n_splits > td.COMBINE_CHUNK
     o2, l2 = attention_decode_ref(q, k, v, kc, vc)
     _close(out, lse, o2, l2)
+
+
+def test_windowed_cascade_launches_only_its_first_pass_as_a_dependent(monkeypatch):
+    """Under programmatic dependent launch (forced on here; the interpreter runs the launches
+    without it) only the first split pass and the combine launch as dependents: the suffix and
+    segment passes queued behind another pass wait for it (BENCHMARKS §5.17). The values stay
+    the reference's."""
+    from polykv.kernels import triton_decode as td
+
+    launched = []
+
+    def record(fn, grid, *args, plan=0, **consts):
+        launched.append((fn, consts.pop("launch_pdl", False)))
+        consts.pop("PDL", None)
+        fn[grid](*args, **consts)
+
+    monkeypatch.setattr(td, "pdl_ok", lambda dev: True)
+    monkeypatch.setattr(td, "cached_launch", record)
+    torch.manual_seed(5)
+    D, Hkv, window, R, lens = 128, 2, 24, 6, [3, 9, 30]  # head_dim 128: the phase kernel
+    kc, vc = get_codec("q8_0", D), get_codec("turbo3", D)
+    pk, pv = kc.encode(torch.randn(1, Hkv, 90, D)), vc.encode(torch.randn(1, Hkv, 90, D))
+    sk, sv = kc.encode(torch.randn(3, Hkv, 32, D)), vc.encode(torch.randn(3, Hkv, 32, D))
+    seg, older = _segment(lens, R, 1, Hkv, D)
+    q = torch.randn(3, Hkv * 4, 1, D, dtype=torch.float16)
+    kw = dict(window=window, prefix_end=90, recent=seg)
+    out, lse = cascade_attention(q, pk, pv, sk, sv, older, kc, vc, **kw)
+    _close(out, lse, *cascade_attention_ref(q, pk, pv, sk, sv, older, kc, vc, **kw))
+    passes = [(fn, pdl) for fn, pdl in launched if fn.__name__.endswith("decode_kernel")]
+    assert passes == [(td._phase_decode_kernel, True), (td._phase_decode_kernel, False),
+                      (td._phase_decode_kernel, False)]
+    assert [pdl for fn, pdl in launched if fn.__name__.startswith("_combine")] == [True]
