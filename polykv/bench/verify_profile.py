@@ -11,7 +11,9 @@ CUDA; timing does not depend on trained weights), one document of `ctx` random t
 turbo3 with the default recent window, `agents` agents in one batch with captured steps. Per width
 w (0: a plain step; w > 0: every agent feeds its token and w drafts, which the random model
 rejects, so every step is a full-width verify and its rollback): the median wall time of `steps`
-steps (synchronised: host work included) and, profiled, the device time per step and its top
+steps (synchronised: host work included) split into the host's feed, launch (until the step is
+queued) and result (the wait for the device plus the host half: acceptance, rollback); the host's
+Python functions by own time (cProfile); and, profiled, the device time per step and its top
 kernels. Writes verify_profile.json under --out.
 
 `device="cpu"` (the smoke test): eager, no profiler, a tiny model.
@@ -20,8 +22,10 @@ kernels. Writes verify_profile.json under --out.
 from __future__ import annotations
 
 import argparse
+import cProfile
 import json
 import os
+import pstats
 import statistics
 import time
 
@@ -43,6 +47,15 @@ def smollm2_shape(device, dtype=torch.bfloat16, layers: int = 30, tiny: bool = F
     return model.eval()
 
 
+def _host_top(prof: cProfile.Profile, steps: int, n: int = 15) -> list[dict]:
+    """The n functions with the most time of their own (waits included), ms per step."""
+    st = pstats.Stats(prof).stats  # {(file, line, name): (calls, ncalls, tottime, cumtime, callers)}
+    top = sorted(st.items(), key=lambda kv: -kv[1][2])[:n]
+    return [dict(name=f"{os.path.basename(f)}:{line}({fn})", calls_per_step=round(v[1] / steps, 1),
+                 ms_own_per_step=round(v[2] * 1e3 / steps, 3), ms_cum_per_step=round(v[3] * 1e3 / steps, 3))
+            for (f, line, fn), v in top]
+
+
 def run(agents: int = 32, ctx: int = 2048, widths=(0, 1, 2, 4), steps: int = 6, layers: int = 30,
         device: str = "cuda", recent: int = 8, log=print) -> dict:
     from polykv.bench.step_profile import top_kernels
@@ -57,9 +70,9 @@ def run(agents: int = 32, ctx: int = 2048, widths=(0, 1, 2, 4), steps: int = 6, 
     pool = SharedKVPool(model, None, k="q8_0", v="turbo3", progress=False, recent=recent)
     doc = pool.add_document(torch.randint(3, V, (ctx,), generator=g).tolist())
     kmax = max(widths)
-    # 3 x steps per width (warm-up, timed, profiled), each adding 1 row per agent when its drafts
-    # are rolled back and at most kmax + 1 otherwise
-    cap = 16 + 3 * steps * len(widths) * (kmax + 1) + 8
+    # 4 x steps per width (warm-up, timed, host-profiled, device-profiled), each adding 1 row per
+    # agent when its drafts are rolled back and at most kmax + 1 otherwise
+    cap = 16 + 4 * steps * len(widths) * (kmax + 1) + 8
     rows = []
     with torch.inference_mode(), pool.open_batch(doc, capacity=agents, seq_capacity=cap, graphs=cuda) as b:
         if kmax:
@@ -68,30 +81,51 @@ def run(agents: int = 32, ctx: int = 2048, widths=(0, 1, 2, 4), steps: int = 6, 
             b.add(torch.randint(3, V, (16,), generator=g).tolist())
         toks = b.step_tokens()
 
+        ahead = False  # the agents' next tokens already pending (fed on the device by a plain step)
+
         def step(w):
-            nonlocal toks
+            """One step; returns the host's (feed, launch, wait + host half) seconds. A plain step
+            is the pipelined decode's step_tokens_ahead (each chosen id fed back on the device), a
+            verify step launch_verify: both return once the step is queued."""
+            nonlocal toks, ahead
+            t0 = time.perf_counter()
             if w == 0:
-                b.feed(toks)
-                toks = b.step_tokens()
+                if not ahead:
+                    b.feed(toks)
+                t1 = time.perf_counter()
+                pending = b.step_tokens_ahead()
+                t2 = time.perf_counter()
+                toks, ahead = pending.result(), True
             else:
                 # drafts a random model all but never accepts: every step a full-width verify
-                b.feed(toks, {a: [3 + (t % (V - 3))] * w for a, t in toks.items()})
-                toks = {a: ids[-1] for a, ids in b.step_verify().items()}
+                drafts = {a: [3 + (t % (V - 3))] * w for a, t in toks.items()}
+                b.feed_drafts(drafts) if ahead else b.feed(toks, drafts)
+                t1 = time.perf_counter()
+                pending = b.launch_verify()
+                t2 = time.perf_counter()
+                toks, ahead = {a: ids[-1] for a, ids in pending.result().items()}, False
+            return t1 - t0, t2 - t1, time.perf_counter() - t2
 
         for w in widths:
             for _ in range(steps):  # warm-up: captures, first replays
                 step(w)
-            walls = []
+            walls, phases = [], []
             for _ in range(steps):
                 if cuda:
                     torch.cuda.synchronize()
                 t0 = time.perf_counter()
-                step(w)
+                phases.append(step(w))
                 if cuda:
                     torch.cuda.synchronize()
                 walls.append((time.perf_counter() - t0) * 1e3)
             row = dict(width=w, query_rows_per_kv_head=agents * 3 * (w + 1),
-                       ms_wall_median=round(statistics.median(walls), 3), ms_wall=[round(x, 3) for x in walls])
+                       ms_wall_median=round(statistics.median(walls), 3), ms_wall=[round(x, 3) for x in walls],
+                       **{f"ms_host_{name}": round(statistics.median(p[i] for p in phases) * 1e3, 3)
+                          for i, name in enumerate(("feed", "launch", "result"))})
+            with cProfile.Profile() as prof_host:  # the host's Python, the device work waited for
+                for _ in range(steps):
+                    step(w)
+            row["host_top"] = _host_top(prof_host, steps)
             if cuda:
                 with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU,
                                                         torch.profiler.ProfilerActivity.CUDA]) as prof:
@@ -100,7 +134,8 @@ def run(agents: int = 32, ctx: int = 2048, widths=(0, 1, 2, 4), steps: int = 6, 
                     torch.cuda.synchronize()
                 row["device_ms_per_step"], row["top"] = top_kernels(prof, steps)
             rows.append(row)
-            log(f"width {w}: wall {row['ms_wall_median']:.3f} ms/step"
+            log(f"width {w}: wall {row['ms_wall_median']:.3f} ms/step (host: feed {row['ms_host_feed']:.3f}, "
+                f"launch {row['ms_host_launch']:.3f}, result {row['ms_host_result']:.3f})"
                 + (f", device {row['device_ms_per_step']:.3f} ms/step" if cuda else ""))
     pool.close()
     base = rows[0]["ms_wall_median"] if rows and rows[0]["width"] == 0 else None
@@ -129,6 +164,10 @@ def main() -> None:
     for r in res["rows"]:
         print(f"== width {r['width']} ({r['query_rows_per_kv_head']} rows per KV head): "
               f"wall {r['ms_wall_median']:.3f} ms, device {r['device_ms_per_step']:.3f} ms/step")
+        print(f"   host: feed {r['ms_host_feed']:.3f}, launch {r['ms_host_launch']:.3f}, "
+              f"result (wait + host half) {r['ms_host_result']:.3f} ms; own time per step under cProfile:")
+        for t in r["host_top"][:8]:
+            print(f"  {t['ms_own_per_step']:8.3f} ms own ({t['ms_cum_per_step']:.3f} cum) x{t['calls_per_step']:6.1f}  {t['name']}")
         for t in r["top"][:12]:
             b = next((x for x in (base or {}).get("top", []) if x["name"] == t["name"]), None)
             print(f"  {t['ms_per_step']:8.3f} ms (plain {b['ms_per_step'] if b else float('nan'):7.3f})"

@@ -19,4 +19,9 @@ def test_verify_profile_rows_cpu(monkeypatch):
     assert [x["query_rows_per_kv_head"] for x in r["rows"]] == [6, 18]
     assert all(x["ms_wall_median"] > 0 and len(x["ms_wall"]) == 2 for x in r["rows"])
     assert r["rows"][0]["wall_over_plain"] == 1.0 and r["layers"] == 2
-    assert keeps.count(3) == 4  # the width-2 steps (2 warm-up, 2 timed) were verify forwards of 3 columns
+    # the width-2 steps (2 warm-up, 2 timed, 2 host-profiled) were verify forwards of 3 columns
+    assert keeps.count(3) == 6
+    for x in r["rows"]:  # the host's phases and its functions by own time
+        assert x["ms_host_feed"] >= 0 and x["ms_host_launch"] > 0 and x["ms_host_result"] > 0
+        assert x["host_top"] and all(t["ms_own_per_step"] >= 0 and t["calls_per_step"] > 0 for t in x["host_top"])
+
