@@ -201,8 +201,14 @@ class AgentCache(Cache):
         (the pool's codec, decoded to true space, then q8_0; `polykv.pool.ring`)."""
         if self.rings is None:
             return
+        lens, spare = self.lens.numpy(), self.rings.spare
         for slot, before in zip(slots, old):
-            now = int(self.lens[slot])
+            now = int(lens[slot])
+            if before - now <= spare:
+                # a cut into the spare rows (rejected drafts): every layer holds [before - R_l -
+                # spare, before) ⊇ [now - R_l, now), nothing to refill — one test per slot, not
+                # one per layer (30 layers x 32 agents were ~1 ms of a verify step's host time)
+                continue
             for li, lay in enumerate(self.rings.layers):
                 # held after the forward: [before - C, before); needed: [now - R, now)
                 need = list(range(max(0, now - lay.recent), min(now, before - lay.capacity)))
