@@ -148,10 +148,8 @@ def cascade_prepared(qp: torch.Tensor, n_q: int, prefix_k: Packed | None, prefix
     third = None
     if recent is not None:
         qr, rk, rv, rc, rlens, rwin, rstart = recent
-        # behind the suffix pass (one stream, or the captured side branch): not a programmatic
-        # dependent, which would start beside the running pass and slow it (BENCHMARKS §5.17)
         third = decode_parts(qr, n_q, rk, rv, rc, rc, rlens, causal=True, window=rwin,
-                             sm_scale=sm_scale, kv_start=rstart, pdl=suffix is None, rec=sub, **kw)
+                             sm_scale=sm_scale, kv_start=rstart, rec=sub, **kw)
     out, lse = combine_splits(prefix, (N, Hkv, M, D), v_codec, out_dtype, second=suffix,
                               third=third, heads_major=True, rec=sub)
     if rec is not None:

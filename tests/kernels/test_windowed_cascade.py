@@ -186,18 +186,11 @@ def test_combine_reads_more_splits_than_one_tile():
     _close(out, lse, o2, l2)
 
 
-@pytest.mark.parametrize("window,want", [
-    # a sliding layer: only the prefix pass (the first) is a dependent
-    (24, [True, False, False]),
-    # a full-attention layer: prefix and suffix passes as before (captured, the suffix pass heads
-    # a side branch), the segment pass behind the suffix pass is not
-    (None, [True, True, False]),
-])
-def test_cascade_passes_behind_a_pass_are_not_dependents(monkeypatch, window, want):
+def test_windowed_cascade_launches_only_its_first_pass_as_a_dependent(monkeypatch):
     """Under programmatic dependent launch (forced on here; the interpreter runs the launches
-    without it) a segment pass queued behind the suffix pass, and a windowed cascade's passes
-    behind its first, wait for the pass before them instead of starting beside it (BENCHMARKS
-    §5.17); the combine stays a dependent. The values stay the reference's."""
+    without it) only the first split pass and the combine launch as dependents: the suffix and
+    segment passes queued behind another pass wait for it (BENCHMARKS §5.17). The values stay
+    the reference's."""
     from polykv.kernels import triton_decode as td
 
     launched = []
@@ -210,15 +203,16 @@ def test_cascade_passes_behind_a_pass_are_not_dependents(monkeypatch, window, wa
     monkeypatch.setattr(td, "pdl_ok", lambda dev: True)
     monkeypatch.setattr(td, "cached_launch", record)
     torch.manual_seed(5)
-    D, Hkv, R, lens = 128, 2, 6, [3, 9, 30]  # head_dim 128: the phase kernel
+    D, Hkv, window, R, lens = 128, 2, 24, 6, [3, 9, 30]  # head_dim 128: the phase kernel
     kc, vc = get_codec("q8_0", D), get_codec("turbo3", D)
     pk, pv = kc.encode(torch.randn(1, Hkv, 90, D)), vc.encode(torch.randn(1, Hkv, 90, D))
     sk, sv = kc.encode(torch.randn(3, Hkv, 32, D)), vc.encode(torch.randn(3, Hkv, 32, D))
     seg, older = _segment(lens, R, 1, Hkv, D)
     q = torch.randn(3, Hkv * 4, 1, D, dtype=torch.float16)
-    kw = dict(window=window, prefix_end=90, recent=seg) if window else dict(recent=seg)
+    kw = dict(window=window, prefix_end=90, recent=seg)
     out, lse = cascade_attention(q, pk, pv, sk, sv, older, kc, vc, **kw)
     _close(out, lse, *cascade_attention_ref(q, pk, pv, sk, sv, older, kc, vc, **kw))
     passes = [(fn, pdl) for fn, pdl in launched if fn.__name__.endswith("decode_kernel")]
-    assert passes == [(td._phase_decode_kernel, w) for w in want]
+    assert passes == [(td._phase_decode_kernel, True), (td._phase_decode_kernel, False),
+                      (td._phase_decode_kernel, False)]
     assert [pdl for fn, pdl in launched if fn.__name__.startswith("_combine")] == [True]
