@@ -16,7 +16,9 @@ queued) and result (the wait for the device plus the host half: acceptance, roll
 Python functions by own time (cProfile); and, profiled, the device time per step and its top
 kernels. Writes verify_profile.json under --out.
 
-`device="cpu"` (the smoke test): eager, no profiler, a tiny model.
+On the CPU (`--device cpu`; the smoke test): eager steps, no device profile, a 512-token vocabulary
+(the host's part of a step at the real layer count, e.g. `--device cpu --agents 32 --ctx 256
+--widths 0,1,4 --steps 3`).
 """
 
 from __future__ import annotations
@@ -33,11 +35,11 @@ import torch
 
 
 def smollm2_shape(device, dtype=torch.bfloat16, layers: int = 30, tiny: bool = False):
-    """Random-initialised LlamaForCausalLM with SmolLM2-135M's shape (tiny: 2 layers, a small
+    """Random-initialised LlamaForCausalLM with SmolLM2-135M's shape (tiny: `layers` layers, a small
     vocabulary, the same heads and head_dim)."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    cfg = LlamaConfig(hidden_size=576, intermediate_size=1536, num_hidden_layers=2 if tiny else layers,
+    cfg = LlamaConfig(hidden_size=576, intermediate_size=1536, num_hidden_layers=layers,
                       num_attention_heads=9, num_key_value_heads=3, head_dim=64,
                       vocab_size=512 if tiny else 49152, max_position_embeddings=8192,
                       rope_theta=100000.0, tie_word_embeddings=True)
@@ -154,21 +156,24 @@ def main() -> None:
     ap.add_argument("--widths", default="0,1,2,4")
     ap.add_argument("--steps", type=int, default=6)
     ap.add_argument("--layers", type=int, default=30)
+    ap.add_argument("--device", default="cuda", choices=("cuda", "cpu"))
     ap.add_argument("--recent", type=int, default=8)
     ap.add_argument("--out", default=os.environ.get("OUT", "."))
     a = ap.parse_args()
-    res = run(a.agents, a.ctx, tuple(int(x) for x in a.widths.split(",")), a.steps, a.layers, recent=a.recent)
+    res = run(a.agents, a.ctx, tuple(int(x) for x in a.widths.split(",")), a.steps, a.layers, device=a.device,
+              recent=a.recent)
     with open(os.path.join(a.out, "verify_profile.json"), "w") as f:
         json.dump(res, f, indent=1)
     base = {r["width"]: r for r in res["rows"]}.get(0)
     for r in res["rows"]:
         print(f"== width {r['width']} ({r['query_rows_per_kv_head']} rows per KV head): "
-              f"wall {r['ms_wall_median']:.3f} ms, device {r['device_ms_per_step']:.3f} ms/step")
+              f"wall {r['ms_wall_median']:.3f} ms" + (f", device {r['device_ms_per_step']:.3f} ms/step"
+                                                      if "device_ms_per_step" in r else ""))
         print(f"   host: feed {r['ms_host_feed']:.3f}, launch {r['ms_host_launch']:.3f}, "
               f"result (wait + host half) {r['ms_host_result']:.3f} ms; own time per step under cProfile:")
         for t in r["host_top"][:8]:
             print(f"  {t['ms_own_per_step']:8.3f} ms own ({t['ms_cum_per_step']:.3f} cum) x{t['calls_per_step']:6.1f}  {t['name']}")
-        for t in r["top"][:12]:
+        for t in r.get("top", [])[:12]:
             b = next((x for x in (base or {}).get("top", []) if x["name"] == t["name"]), None)
             print(f"  {t['ms_per_step']:8.3f} ms (plain {b['ms_per_step'] if b else float('nan'):7.3f})"
                   f"  x{t['calls_per_step']:5.1f}  {t['name']}")

@@ -14,7 +14,7 @@ def test_verify_profile_rows_cpu(monkeypatch):
         return forward(self, group, keep, *a, **kw)
 
     monkeypatch.setattr(agents_mod.AgentBatch, "_forward", recorded)
-    r = run(agents=2, ctx=48, widths=(0, 2), steps=2, device="cpu", log=lambda *_: None)
+    r = run(agents=2, ctx=48, widths=(0, 2), steps=2, layers=2, device="cpu", log=lambda *_: None)
     assert [x["width"] for x in r["rows"]] == [0, 2]
     assert [x["query_rows_per_kv_head"] for x in r["rows"]] == [6, 18]
     assert all(x["ms_wall_median"] > 0 and len(x["ms_wall"]) == 2 for x in r["rows"])
