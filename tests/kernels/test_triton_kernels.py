@@ -97,6 +97,38 @@ def test_cascade_matches_reference(kn, vn, D, group, lens):
     assert rel(out, o2) <= 1e-2 and lse_ok(lse, l2)
 
 
+@pytest.mark.parametrize("P,want_tile", [
+    (64, 32),   # one split of one 64-key tile at 64-row tiles: 32-row tiles instead
+    (512, 64),  # splits of several key tiles: the 64-row tile stays
+])
+def test_cascade_prefix_row_tile_halves_for_one_key_tile_splits(monkeypatch, P, want_tile):
+    """head_dim 64, more than 32 query rows per KV head (the tile kernel's prefix pass): where the
+    planned splits would hold a single key tile the pass takes 32-row tiles (BENCHMARKS §5.18);
+    the values stay the reference's either way."""
+    from polykv.kernels import triton_decode as td
+
+    tiles = []
+    real = td.cached_launch
+
+    def record(fn, grid, *args, **kw):
+        if fn is td._decode_kernel and kw.get("CAUSAL") is False:  # the prefix pass
+            tiles.append(kw["BLOCK_M"])
+        return real(fn, grid, *args, **kw)
+
+    monkeypatch.setattr(td, "cached_launch", record)
+    torch.manual_seed(P)
+    N, Hkv, group, n_q, D = 6, 2, 3, 2, 64  # 36 query rows per KV head
+    kc, vc = get_codec("q8_0", D), get_codec("turbo3", D)
+    pk, pv = kc.encode(torch.randn(1, Hkv, P, D)), vc.encode(torch.randn(1, Hkv, P, D))
+    sk, sv = kc.encode(torch.randn(N, Hkv, 8, D)), vc.encode(torch.randn(N, Hkv, 8, D))
+    sl = torch.tensor([3, 8, 5, 1, 7, 2], dtype=torch.int32)
+    q = torch.randn(N, Hkv * group, n_q, D, dtype=torch.float16)
+    out, lse = cascade_attention(q, pk, pv, sk, sv, sl, kc, vc)
+    o2, l2 = cascade_attention_ref(q, pk, pv, sk, sv, sl, kc, vc)
+    assert rel(out, o2) <= 1e-2 and lse_ok(lse, l2)
+    assert tiles == [want_tile]
+
+
 @pytest.mark.parametrize("kn,vn,D,agents,P,chunk", [
     ("q8_0", "turbo3", 128, 3, 1000, 512),   # 3 chunks, the last one short
     ("turbo4", "turbo3", 64, 9, 700, 256),   # rows per KV head > 16: the tile kernel
