@@ -136,6 +136,19 @@ def correctness():
         o2, l2 = cascade_attention_ref(q, pk, pv, sk, sv, sl, kc, vc)
         check(f"cascade {kn}/{vn} 8 agents 64k", rel(o, o2) <= 1e-2, rel=rel(o, o2),
               lse_err=(l - l2).abs().max().item())
+    # head_dim 64 (SmolLM2: 3 KV / 9 q heads), 32 agents, verify-width query columns: the tile
+    # kernel's prefix pass, 32-row tiles where 64-row ones would plan one-key-tile splits (2k)
+    kc, vc = get_codec("q8_0", 64), get_codec("turbo3", 64)
+    for ctx in (2048, 16384):
+        pk, pv = kc.encode(rnd(1, 3, ctx, 64)), vc.encode(rnd(1, 3, ctx, 64))
+        sk, sv = kc.encode(rnd(32, 3, 80, 64)), vc.encode(rnd(32, 3, 80, 64))
+        sl = 5 + torch.arange(32, dtype=torch.int32, device=DEV) * 2  # each agent's rows hold its columns
+        for n_q in (1, 3, 5):
+            q = rnd(32, 9, n_q, 64)
+            o, l = cascade_attention(q, pk, pv, sk, sv, sl, kc, vc)
+            o2, l2 = cascade_attention_ref(q, pk, pv, sk, sv, sl, kc, vc)
+            check(f"cascade D64 32 agents {ctx} n_q {n_q}", rel(o, o2) <= 1e-2, rel=rel(o, o2),
+                  lse_err=(l - l2).abs().max().item())
     # the warp-specialised prefix pass (Hopper: gluon_prefix) at every row-tile shape, partial
     # key tiles (lengths not a multiple of 64), an empty split, and chunked == whole bit for bit
     from polykv.kernels.gluon_prefix import ws_ok, ws_prefix
