@@ -34,14 +34,14 @@ import time
 import torch
 
 
-def smollm2_shape(device, dtype=torch.bfloat16, layers: int = 30, tiny: bool = False):
-    """Random-initialised LlamaForCausalLM with SmolLM2-135M's shape (tiny: `layers` layers, a small
-    vocabulary, the same heads and head_dim)."""
+def smollm2_shape(device, dtype=torch.bfloat16, layers: int = 30, vocab: int = 49152):
+    """Random-initialised LlamaForCausalLM with SmolLM2-135M's shape (heads, head_dim, widths), of
+    `layers` layers and a `vocab`-token vocabulary (the CPU runs take a small one)."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
     cfg = LlamaConfig(hidden_size=576, intermediate_size=1536, num_hidden_layers=layers,
                       num_attention_heads=9, num_key_value_heads=3, head_dim=64,
-                      vocab_size=512 if tiny else 49152, max_position_embeddings=8192,
+                      vocab_size=vocab, max_position_embeddings=8192,
                       rope_theta=100000.0, tie_word_embeddings=True)
     torch.manual_seed(0)
     with torch.device(device):
@@ -66,7 +66,8 @@ def run(agents: int = 32, ctx: int = 2048, widths=(0, 1, 2, 4), steps: int = 6, 
     cuda = device == "cuda"
     if cuda:
         torch.backends.cuda.enable_cudnn_sdp(False)
-    model = smollm2_shape(device, torch.bfloat16 if cuda else torch.float32, layers, tiny=not cuda)
+    model = smollm2_shape(device, torch.bfloat16 if cuda else torch.float32, layers,
+                          vocab=49152 if cuda else 512)
     V = model.config.vocab_size
     g = torch.Generator().manual_seed(0)
     pool = SharedKVPool(model, None, k="q8_0", v="turbo3", progress=False, recent=recent)
@@ -101,7 +102,10 @@ def run(agents: int = 32, ctx: int = 2048, widths=(0, 1, 2, 4), steps: int = 6, 
             else:
                 # drafts a random model all but never accepts: every step a full-width verify
                 drafts = {a: [3 + (t % (V - 3))] * w for a, t in toks.items()}
-                b.feed_drafts(drafts) if ahead else b.feed(toks, drafts)
+                if ahead:
+                    b.feed_drafts(drafts)
+                else:
+                    b.feed(toks, drafts)
                 t1 = time.perf_counter()
                 pending = b.launch_verify()
                 t2 = time.perf_counter()

@@ -10,9 +10,9 @@ thing, so a decode launched behind a decode parks on the SMs the first one runs 
 
     PYTHONPATH=. POLYKV_CACHE_DIR=.pkvcache python3 polykv/bench/window_passes.py
 
-Run it once per tree in one call (PYTHONPATH=<other tree>) to compare (BENCHMARKS §5.17, §5.18). Writes $OUT/window_passes.json: {piece_agents: graph median us,
-piece_agents_nopdl: the same without PDL, rel_*: max relative error against the reference,
-timeline_*: one replay's kernels}.
+Run it once per tree in one call (PYTHONPATH=<other tree>) to compare (BENCHMARKS §5.17, §5.18).
+Writes $OUT/window_passes.json: {piece_agents: graph median us, piece_agents_nopdl: the same without
+PDL, rel_*: max relative error against the reference, timeline_*: one replay's kernels}.
 """
 
 from __future__ import annotations

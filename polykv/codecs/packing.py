@@ -24,7 +24,9 @@ import sys
 import torch
 
 
-_LITTLE = sys.byteorder == "little"
+#: The host reads multi-byte words little-endian: byte views of the packed rows (int64 words here,
+#: int16 index pairs in `turbo.decode_rotated`) put byte j in lane j.
+LITTLE_ENDIAN = sys.byteorder == "little"
 #: `bits`-wide all-ones in each byte of a 64-bit word: the fields of 8 bytes masked at once.
 _LANE_MASK = {b: int.from_bytes(bytes([(1 << b) - 1]) * 8, "little") for b in (1, 2, 4)}
 
@@ -56,7 +58,7 @@ def _words(packed: torch.Tensor) -> torch.Tensor | None:
     byte j % 8 of word j // 8), or None where no such view exists (nb not a multiple of 8, a last
     dim that is not contiguous or not 8-byte aligned): those rows take the per-byte path (the same
     values, CPU decode ~4x slower)."""
-    if not _LITTLE or packed.dtype != torch.uint8 or packed.shape[-1] % 8 or not packed.numel():
+    if not LITTLE_ENDIAN or packed.dtype != torch.uint8 or packed.shape[-1] % 8 or not packed.numel():
         return None
     try:
         return packed.view(torch.int64)

@@ -13,18 +13,16 @@ from __future__ import annotations
 
 import functools
 import os
-import sys
 
 import torch
 
 from .base import Codec, CodecError, Packed
 from .lloyd_max import lloyd_max_codebook
-from .packing import pack_indices, packed_bytes, unpack_indices
+from .packing import LITTLE_ENDIAN, pack_indices, packed_bytes, unpack_indices
 from .rotation import rotate, unrotate
 
 MAX_GROUP = 128
 MIN_GROUP = 32
-_LITTLE = sys.byteorder == "little"  # the pair table reads two uint8 indices as one int16
 
 
 def turbo_group_size(head_dim: int) -> int:
@@ -139,7 +137,7 @@ class TurboCodec(Codec):
 
     def decode_rotated(self, p: Packed) -> torch.Tensor:
         idx = self.indices(p)  # uint8 [..., n_groups, G]
-        if _LITTLE and self.bits <= 4 and idx.is_contiguous():
+        if LITTLE_ENDIAN and self.bits <= 4 and idx.is_contiguous():
             # two centroids per gather: the index pair (a, b) of values 2i, 2i + 1 read as one
             # int16 a | b << 8 (little-endian) selects both floats at once (half the gathers of a
             # centroid lookup per value; the same floats)
