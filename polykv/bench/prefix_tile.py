@@ -11,7 +11,8 @@ CUDA-graph replay median, suffixes of 40 rows — and checked against `cascade_a
         [--configs 32x4,64x4,128x4,128x8]   # row tile x warps [x keys per split]
 
 Since kernels_notes v21 a 64-row tile whose planned splits would hold one key tile takes 32-row
-tiles: give the split (`64x4x64`) to time the 64-row plan of BENCHMARKS §5.18 (which predates it).
+tiles: give that split (`64x4x64`: the 2k prefix at n_q 1–3) to time the 64-row plan of BENCHMARKS
+§5.18 (which predates the rule).
 
 Writes prefix_tile.json under --out: {"P<ctx>_nq<n_q>_bm<tile>_nw<warps>[_sl<split>]": {us, rel}}.
 `device="cpu"` (the smoke test): the interpreter, no timing.
