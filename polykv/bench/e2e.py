@@ -17,7 +17,7 @@ Scenarios (each polykv figure beside its baseline, same model, same run):
                  (`step_tokens_ahead`: step t+1 launched with step t's ids fed on the device, step
                  t's ids read after), in a second batch of the same run over the same captured
                  steps; `pipelined_identical`: both loops chose the same tokens at every step.
-                 Captured steps compile the model's norms and MLPs (`hf.graphs.capture_step`,
+                 Captured steps compile the model's norms, MLPs and rotary (`hf.graphs.capture_step`,
                  the library default on CUDA); with compile on, every row is timed again with
                  them eager (POLYKV_COMPILE=0): ms_polykv_eager_modules[_pipelined].
                  baseline: the document prefilled once into a DynamicCache (chunked), then
@@ -440,7 +440,7 @@ def run_pool_decode(model, clock: Clock, *, agents, ctx: int, suffix_tokens: int
             clock.free()
         ring_pool.close()
         del ring_pool
-    if compile:  # polykv again with the captured steps' norms and MLPs eager (POLYKV_COMPILE=0)
+    if compile:  # polykv again with the captured steps' norms, MLPs and rotary eager (POLYKV_COMPILE=0)
         from polykv.hf import graphs
 
         pool.close()  # the parked batch holds compiled captures: eager ones capture anew

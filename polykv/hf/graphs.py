@@ -16,6 +16,7 @@ from __future__ import annotations
 import contextlib
 import gc
 import os
+import sys
 import threading
 import warnings
 from typing import Callable
@@ -56,59 +57,78 @@ POINTWISE_MODULES = ("RMSNorm", "MLP")
 """Submodule class-name suffixes `compiled_pointwise` compiles: a decode step's norms (fp32 upcast,
 mean, rsqrt, scale: ~7 kernels each in eager mode) and MLP activation x up-projection products."""
 
+ROTARY_FUNCTION = "apply_rotary_pos_emb"
+"""The module-level function transformers' attention modules call by name to rotate queries and keys
+(RoPE); `compiled_pointwise` compiles it too. Eager, each of q and k costs a multiply, a negate, a
+concatenation, a multiply and an add: ~10 small kernels per layer, more than the layer's attention
+kernels (a 30-layer SmolLM2 pool step on an H100: ~0.6 of its 2.8 ms on the device)."""
 
 _COMPILED_LOCK = threading.RLock()
 _COMPILED_HERE = threading.local()
 
 
 class _ThreadGate:
-    """A module's `_compiled_call_impl` inside `compiled_pointwise`: the compiled forward for the
-    thread that opened the block, the eager one for every other thread (a batch of the same pool
-    prefilling or stepping eagerly meanwhile must neither run nor trigger compiled code)."""
+    """A callable's stand-in inside `compiled_pointwise` (a module's `_compiled_call_impl`, a
+    modeling module's rotary function): the compiled callable for the thread that opened the block,
+    the eager one for every other thread (a batch of the same pool prefilling or stepping eagerly
+    meanwhile must neither run nor trigger compiled code)."""
 
-    def __init__(self, module):
-        self.module, self.compiled = module, torch.compile(module._call_impl)
+    def __init__(self, eager: Callable):
+        self.eager, self.compiled = eager, torch.compile(eager)
 
     def __call__(self, *args, **kwargs):
         if getattr(_COMPILED_HERE, "on", False):
             return self.compiled(*args, **kwargs)
-        return self.module._call_impl(*args, **kwargs)
+        return self.eager(*args, **kwargs)
+
+
+def _rotary_homes(model) -> list:
+    """The Python modules defining `model`'s layers that hold a `ROTARY_FUNCTION` (the modeling
+    files whose attention forward looks it up at call time)."""
+    homes = {sys.modules.get(type(m).__module__) for m in model.modules()}
+    return [h for h in homes if h is not None and callable(getattr(h, ROTARY_FUNCTION, None))]
 
 
 @contextlib.contextmanager
 def compiled_pointwise(model):
-    """Within the block, the model's norm and MLP submodules run torch.compile'd (inductor) in
-    this thread, so a captured decode step runs fused kernels instead of chains of small
-    elementwise ones; attention modules stay eager (they call the polykv caches). Other threads
-    keep the eager modules, and blocks of different threads run one at a time (dynamo is not
-    thread-safe). Undone on exit. The first shape compiles static, a second one recompiles with
-    its batch and token dims dynamic (automatic dynamic), so every batch bucket and verify width
-    shares two compiles (seconds each); outputs equal eager up to float rounding. Yields the
-    number of compiled modules."""
+    """Within the block, the model's norms, MLPs and rotary embedding function
+    (`POINTWISE_MODULES`, `ROTARY_FUNCTION`) run torch.compile'd (inductor) in this thread, so a
+    captured decode step runs fused kernels instead of chains of small elementwise ones; attention
+    modules stay eager (they call the polykv caches). Other threads keep the eager code, and blocks
+    of different threads run one at a time (dynamo is not thread-safe). Undone on exit. The first
+    shape compiles static, a second one recompiles with its batch and token dims dynamic (automatic
+    dynamic), so every batch bucket and verify width shares two compiles (seconds each); outputs
+    equal eager up to float rounding. Yields the number of compiled modules and functions."""
     mods = [m for m in model.modules() if type(m).__name__.endswith(POINTWISE_MODULES)]
     with _COMPILED_LOCK:
+        homes = _rotary_homes(model)
         outer = getattr(_COMPILED_HERE, "on", False)
         for m in mods:
             if not isinstance(m._compiled_call_impl, _ThreadGate):
-                m._compiled_call_impl = _ThreadGate(m)
+                m._compiled_call_impl = _ThreadGate(m._call_impl)
+        for home in homes:
+            if not isinstance(getattr(home, ROTARY_FUNCTION), _ThreadGate):
+                setattr(home, ROTARY_FUNCTION, _ThreadGate(getattr(home, ROTARY_FUNCTION)))
         _COMPILED_HERE.on = True
         try:
-            yield len(mods)
+            yield len(mods) + len(homes)
         finally:
             _COMPILED_HERE.on = outer
             if not outer:
                 for m in mods:
                     m._compiled_call_impl = None  # what nn.Module.__call__ checks: the eager forward
+                for home in homes:
+                    setattr(home, ROTARY_FUNCTION, getattr(home, ROTARY_FUNCTION).eager)
 
 
 COMPILE = os.environ.get("POLYKV_COMPILE", "1") != "0"
-"""Whether captured decode steps (`capture_step`) compile the model's norms and MLPs
+"""Whether captured decode steps (`capture_step`) compile the model's norms, MLPs and rotary
 (`compiled_pointwise`). POLYKV_COMPILE=0 turns it off (debugging, A/B timing); it is also turned
 off for the process after a compile fails."""
 
 
 def capture_step(fn: Callable[[], None], model, mempool=None, warmup: int = 2) -> torch.cuda.CUDAGraph:
-    """`capture_graph` of a model's decode step with its norms and MLPs compiled (`COMPILE`): the
+    """`capture_graph` of a model's decode step with its norms, MLPs and rotary compiled (`COMPILE`): the
     warm-up calls compile, the capture records the fused kernels, replays never enter Python. On
     an H200, one run: a pipelined 32-agent, 4-layer pool step 1.670 ms eager -> 1.467 ms compiled
     (docs/BENCHMARKS.md §5.8). Where torch.compile fails (no working inductor toolchain), the step is captured with
@@ -122,7 +142,7 @@ def capture_step(fn: Callable[[], None], model, mempool=None, warmup: int = 2) -
             if torch.cuda.is_current_stream_capturing():
                 raise
             COMPILE = False
-            warnings.warn(f"polykv: compiling the decode step's norms and MLPs failed "
+            warnings.warn(f"polykv: compiling the decode step's norms, MLPs and rotary failed "
                           f"({type(e).__name__}: {e}); captured steps run them eagerly", stacklevel=2)
     return capture_graph(fn, mempool, warmup)
 

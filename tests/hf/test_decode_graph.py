@@ -116,17 +116,26 @@ def test_left_padded_batch_decodes_on_the_fused_kernel(monkeypatch):
 
 @pytest.mark.slow
 def test_compiled_pointwise_same_outputs_and_undone():
-    """compiled_pointwise compiles the norms and MLPs (inductor) inside the block — same logits —
-    and restores the eager modules on exit."""
+    """compiled_pointwise compiles the norms, MLPs and the rotary function (inductor) inside the
+    block — same logits, the compiled rotary function ran — and restores the eager code on exit."""
+    from transformers.models.llama import modeling_llama
+
     from polykv.hf.graphs import compiled_pointwise
 
     model = tiny_llama(layers=2)
     x = torch.randint(3, 120, (2, 9))
+    eager_rotary = modeling_llama.apply_rotary_pos_emb
     with torch.no_grad():
         ref = model(x).logits
         with compiled_pointwise(model) as n:
-            assert n == 2 * 3 + 1  # 2 norms + 1 MLP per layer, the final norm
+            assert n == 2 * 3 + 1 + 1  # 2 norms + 1 MLP per layer, the final norm; the rotary function
+            gate, rotary_calls = modeling_llama.apply_rotary_pos_emb, []
+            assert gate.eager is eager_rotary
+            compiled_rotary = gate.compiled
+            gate.compiled = lambda *a, **k: rotary_calls.append(1) or compiled_rotary(*a, **k)
             got = model(x).logits
             assert any(m._compiled_call_impl is not None for m in model.modules())
+            assert len(rotary_calls) == 2  # each layer's attention rotated through the compiled function
         torch.testing.assert_close(got, ref, rtol=1e-5, atol=1e-5)
     assert all(m._compiled_call_impl is None for m in model.modules())
+    assert modeling_llama.apply_rotary_pos_emb is eager_rotary
