@@ -21,10 +21,14 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 # aten ops that are no device kernel of their own (views, metadata, allocations, host reads)
-_FREE = {"view", "_unsafe_view", "reshape", "expand", "permute", "transpose", "t", "select", "slice",
-         "as_strided", "unsqueeze", "squeeze", "alias", "detach", "split", "split_with_sizes", "unbind",
-         "narrow", "lift_fresh", "_reshape_alias", "empty", "empty_strided", "empty_like", "is_nonzero",
-         "_local_scalar_dense", "item", "sym_size", "sym_stride", "size", "stride", "dim", "numel"}
+_FREE = {"view", "_unsafe_view", "reshape", "expand", "permute", "transpose", "t", "select",
+         "slice", "as_strided", "unsqueeze", "squeeze", "alias", "detach", "split",
+         "split_with_sizes", "unbind", "narrow", "flatten", "lift_fresh", "_reshape_alias",
+         "empty", "empty_strided", "empty_like", "is_nonzero", "_local_scalar_dense", "item",
+         "sym_size", "sym_stride", "size", "stride", "dim", "numel"}
+# a view where the layout allows one, else a copy kernel (inference mode hands these to the mode
+# whole): counted as "<name> (copy)" when the result has storage of its own
+_MAY_COPY = {"reshape", "flatten"}
 
 
 class _TorchOps(TorchDispatchMode):
@@ -34,9 +38,16 @@ class _TorchOps(TorchDispatchMode):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         name = func.overloadpacket.__name__
+        out = func(*args, **(kwargs or {}))
+        if name in _MAY_COPY and not _shares_storage(out, args[0]):
+            name += " (copy)"
         if name not in _FREE and not self.inside:
             self.ops[name] = self.ops.get(name, 0) + 1
-        return func(*args, **(kwargs or {}))
+        return out
+
+
+def _shares_storage(a: torch.Tensor, b: torch.Tensor) -> bool:
+    return a.untyped_storage().data_ptr() == b.untyped_storage().data_ptr()
 
 
 def _models():

@@ -134,6 +134,13 @@ def _rotates_q(k_codec, k_innerq) -> bool:
     return k_innerq is not None or getattr(k_codec, "rotated", False)
 
 
+def _plain_rows(q: torch.Tensor, qp: torch.Tensor, k_codec, k_innerq, hkv: int) -> torch.Tensor:
+    """The query rows a recent window's q8_0 segment reads (q's dtype, not rotated): `_prep_q`'s
+    qp itself when K left q plain — no second copy of q per layer (a verify step's q is strided,
+    so each preparation is a copy launch) — else q's own rows."""
+    return _prep_q(q, None, None, hkv) if _rotates_q(k_codec, k_innerq) else qp
+
+
 _FULL_LENS: dict = {}
 
 
@@ -270,7 +277,7 @@ def cascade_attention(q: torch.Tensor, prefix_k: Packed | None, prefix_v: Packed
     tune.setdefault("prefix_max_split", PREFIX_CHUNK_ALIGN)
     seg = None
     if recent is not None:
-        seg = (_prep_q(q, recent.codec, None, hkv), recent.k, recent.v, as_codec(recent.codec, D),
+        seg = (_plain_rows(q, qp, kc, k_innerq, hkv), recent.k, recent.v, as_codec(recent.codec, D),
                _full_lens(N, recent.k.codes.shape[2], q.device), int(recent.window),
                cas.lens_i32(recent.kv_start, q.device))
     out, lse = cas.cascade_prepared(qp, n_q, prefix_k, prefix_v, suffix_k, suffix_v,
@@ -335,8 +342,8 @@ def _windowed_cascade(q, prefix_k, prefix_v, suffix_k, suffix_v, suffix_lens, kc
                                   window=suffix_window, sm_scale=sm_scale, page_table=suffix_pages,
                                   page_size=page_size, pdl=prefix is None, **tune)
     third = None
-    if recent is not None:  # its q8_0 keys read plain query rows
-        third = dec.decode_parts(_prep_q(q, recent.codec, None, hkv), n_q, recent.k, recent.v,
+    if recent is not None:
+        third = dec.decode_parts(_plain_rows(q, qp, kc, k_innerq, hkv), n_q, recent.k, recent.v,
                                  recent.codec, recent.codec,
                                  _full_lens(N, recent.k.codes.shape[2], dev), causal=True,
                                  window=int(recent.window), sm_scale=sm_scale,
@@ -368,8 +375,9 @@ class _CascadeCall:
         dec = _k()[0]
         qp = dec.planned_rows(self.prep, q, s, self.qp_shape)
         seg = None
-        if recent is not None:  # its q8_0 keys read plain query rows (qp's shape)
-            seg = (dec.planned_rows(None, q, None, self.qp_shape), recent.k, recent.v,
+        if recent is not None:  # its q8_0 keys read plain query rows: qp itself without a prep
+            seg = (qp if self.prep is None else dec.planned_rows(None, q, None, self.qp_shape),
+                   recent.k, recent.v,
                    _full_lens(q.shape[0], recent.k.codes.shape[2], q.device),
                    _k()[1].lens_i32(recent.kv_start, q.device))
         return self.passes(qp, prefix_k, prefix_v, suffix_k, suffix_v, suffix_lens, suffix_pages,

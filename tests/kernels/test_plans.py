@@ -207,10 +207,12 @@ def test_a_cascade_with_a_recent_segment_plans_its_third_pass(ws_launches, monke
                                             "_phase_decode_kernel", "_combine_kernel"]
     (_, wargs, wplan), (_, sargs, splan), (_, rargs, rplan), (_, cargs, cplan) = launches
     assert rargs[1] is r1.k.codes and rargs[8] is r1.kv_start
+    assert rargs[0] is sargs[0]  # q8_0 keys leave q plain: the segment reads the suffix's rows, no copy
     monkeypatch.setattr(triton_cascade, "cascade_prepared", lambda *a, **k: 1 / 0)
     out, lse = dispatch.cascade_attention(q2, pk, pv, sk, sv, sl, kc, vc, recent=r2)
     (w,), (sp,), (rp,), (c,) = wplan.calls, splan.calls, rplan.calls, cplan.calls
     assert torch.equal(rp[0], q2.reshape(3, 2, 4, 128)) and rp[1] is r2.k.codes and rp[3] is r2.v.codes
+    assert rp[0] is sp[0]
     assert torch.equal(rp[7], torch.full((3,), 8)) and rp[8] is r2.kv_start
     assert c[0] is w[6] and c[2] is sp[10] and c[4] is rp[10] and c[5] is rp[11]
     assert c[6] is out and c[7] is lse and len(launches) == 4

@@ -136,6 +136,35 @@ def test_windowed_cascade_with_a_recent_segment_matches_reference(kn, vn, D, gro
     assert (o3.float() - o2.float()).abs().max() > 1e-2
 
 
+@pytest.mark.parametrize("kn,window", [("q8_0", 20), ("q8_0", None), ("turbo4", 20), ("turbo4", None)])
+def test_a_recent_segment_reads_the_prepared_query_rows(kn, window, monkeypatch):
+    """A verify step's q (n_q > 1, strided as the model's projection leaves it) is copied into
+    query rows once per cascade: where K leaves q plain (q8_0), the recent segment's pass reads
+    those rows; turbo keys rotate q, so the segment gets plain rows of its own."""
+    from polykv.kernels import dispatch
+
+    torch.manual_seed(3)
+    N, Hkv, D, n_q, R, P = 3, 2, 64, 2, 5, 70
+    kc, vc = get_codec(kn, D), get_codec("turbo3", D)
+    pk, pv = kc.encode(torch.randn(1, Hkv, P, D)), vc.encode(torch.randn(1, Hkv, P, D))
+    sk, sv = kc.encode(torch.randn(N, Hkv, 12, D)), vc.encode(torch.randn(N, Hkv, 12, D))
+    seg, older = _segment([3, 9, 12], R, n_q, Hkv, D)
+    q = torch.randn(N, n_q, Hkv * 2, D, dtype=torch.float16).transpose(1, 2)  # [N, Hq, n_q, D], strided
+    innerq = torch.rand(Hkv, D) + 0.5 if kc.rotated else None
+    preps, prep = [], dispatch._prep_q
+
+    def counted(*a, **k):
+        preps.append(a[1])
+        return prep(*a, **k)
+
+    monkeypatch.setattr(dispatch, "_prep_q", counted)
+    kw = dict(window=window, k_innerq=innerq, recent=seg)
+    out, lse = cascade_attention(q, pk, pv, sk, sv, older, kc, vc, **kw)
+    assert len(preps) == (2 if kc.rotated else 1)
+    o2, l2 = cascade_attention_ref(q, pk, pv, sk, sv, older, kc, vc, **kw)
+    _close(out, lse, o2, l2)
+
+
 def test_windowed_cascade_with_only_a_recent_segment():
     """No older row in any window (a gap past the window, no suffix rows): the segment alone."""
     from polykv.kernels import attention_decode_ref
