@@ -10,9 +10,9 @@ CUDA-graph replay median, suffixes of 40 rows — and checked against `cascade_a
     PYTHONPATH=. python3 polykv/bench/prefix_tile.py [--agents 32] [--ctx 2048,16384] [--n-q 1,2,3,5]
         [--configs 32x4,64x4,128x4,128x8]   # row tile x warps [x keys per split]
 
-Since kernels_notes v21 a 64-row tile whose planned splits would hold one key tile takes 32-row
-tiles: give that split (`64x4x64`: the 2k prefix at n_q 1–3) to time the 64-row plan of BENCHMARKS
-§5.18 (which predates the rule).
+Since kernels_notes v21 / v22 a 64-row tile whose planned splits would hold one or two key tiles
+takes 32-row tiles: give that split (`64x4x64` for the 2k prefix at n_q 1–3, `64x4x128` at n_q 5)
+to time the 64-row plan of BENCHMARKS §5.18 (which predates the rule).
 
 Writes prefix_tile.json under --out: {"P<ctx>_nq<n_q>_bm<tile>_nw<warps>[_sl<split>]": {us, rel}}.
 `device="cpu"` (the smoke test): the interpreter, no timing.

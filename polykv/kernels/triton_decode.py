@@ -722,10 +722,11 @@ def decode_parts(qp: torch.Tensor, n_q: int, k: Packed, v: Packed, k_codec, v_co
     target = target_programs or num_programs_target(dev) * (2 if phase and num_warps == 1 else 1)
     if split_len is None:
         split_len = plan_split_len(S, B * Hkv * n_mt, target, BLOCK_N, max_split)
-        if not phase and D == 64 and BLOCK_M == 64 and split_len == BLOCK_N:
-            # splits of one key tile: every program sets up, reads its query rows and writes a
-            # partial for 64 keys. Half the row tile doubles the keys per split (BENCHMARKS §5.18,
-            # H100, SmolLM2's cascade at a 2k prefix, 192 / 288 rows: 39.4 / 48.0 us vs 51.2 / 60.7)
+        if not phase and D == 64 and BLOCK_M == 64 and split_len <= 2 * BLOCK_N:
+            # splits of one or two key tiles: every program sets up, reads its query rows and
+            # writes a partial for 64-128 keys. Half the row tile doubles the keys per split
+            # (BENCHMARKS §5.18, H100, SmolLM2's cascade at a 2k prefix, 192 / 288 / 480 rows:
+            # 39.4 / 48.0 / 47.4 us vs 51.2 / 60.7 / 55.8; at 16k, splits of 4+ tiles, 64 rows win)
             BLOCK_M, n_mt = 32, cdiv(M, 32)
             split_len = plan_split_len(S, B * Hkv * n_mt, target, BLOCK_N, max_split)
     elif split_len % BLOCK_N:

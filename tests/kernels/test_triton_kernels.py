@@ -99,11 +99,12 @@ def test_cascade_matches_reference(kn, vn, D, group, lens):
 
 @pytest.mark.parametrize("P,want_tile", [
     (64, 32),   # one split of one 64-key tile at 64-row tiles: 32-row tiles instead
-    (512, 64),  # splits of several key tiles: the 64-row tile stays
+    (256, 32),  # two splits of two key tiles: 32-row tiles (one split of four)
+    (512, 64),  # splits of four key tiles: the 64-row tile stays
 ])
-def test_cascade_prefix_row_tile_halves_for_one_key_tile_splits(monkeypatch, P, want_tile):
+def test_cascade_prefix_row_tile_halves_for_short_splits(monkeypatch, P, want_tile):
     """head_dim 64, more than 32 query rows per KV head (the tile kernel's prefix pass): where the
-    planned splits would hold a single key tile the pass takes 32-row tiles (BENCHMARKS §5.18);
+    planned splits would hold one or two key tiles the pass takes 32-row tiles (BENCHMARKS §5.18);
     the values stay the reference's either way."""
     from polykv.kernels import triton_decode as td
 
