@@ -129,8 +129,8 @@ def cascade_prepared(qp: torch.Tensor, n_q: int, prefix_k: Packed | None, prefix
                                  max_split=prefix_max_split, rec=sub, **tune.get("ws", {}))
     else:
         tune.pop("ws", None)
-        # all agents' rows of a KV head side by side: [1, Hkv, N*M, D]
-        qc = qp.permute(1, 0, 2, 3).reshape(1, Hkv, N * M, D).contiguous()
+        # all agents' rows of a KV head side by side, read in place: [1, Hkv, N, M, D]
+        qc = qp.permute(1, 0, 2, 3).unsqueeze(0)
         if sub is not None:
             sub.append(None)  # the tile kernel's prefix pass is not planned
         prefix = decode_parts(qc, n_q, None, None, k_codec, v_codec, None,

@@ -35,10 +35,11 @@ LN2 = 0.6931471805599453
 
 
 @triton.jit
-def _load_q(Q, q_rows, rmask, g: tl.constexpr, GW: tl.constexpr, NPH: tl.constexpr,
+def _load_q(Q, q_off, rmask, g: tl.constexpr, GW: tl.constexpr, NPH: tl.constexpr,
             D: tl.constexpr):
+    """Columns of group g (in the K tiles' order) of the query rows starting at elements q_off."""
     cols = g * GW + perm_cols(GW, NPH)
-    ptr = Q + q_rows[:, None] * D + cols[None, :]
+    ptr = Q + q_off[:, None] + cols[None, :]
     return tl.load(ptr, mask=rmask[:, None], other=0.0).to(tl.float16)
 
 
@@ -175,6 +176,7 @@ def _decode_kernel(
         skb, skh, sks, sksb, sksh, skss,
         svb, svh, svs, svsb, svsh, svss,
         HKV, M_TOTAL, N_Q, SPLIT_LEN, N_SPLITS, SPLIT0, qk_scale, WINDOW, PT_STRIDE,
+        Q_SBH, Q_BLK, Q_SBLK,
         D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, PAGE: tl.constexpr,
         K_KIND: tl.constexpr, K_BITS: tl.constexpr, K_G: tl.constexpr, K_GW: tl.constexpr,
         K_NPH: tl.constexpr, K_DEC: tl.constexpr,
@@ -201,14 +203,19 @@ def _decode_kernel(
         N_Q, WINDOW)
 
     rmask, q_rows, qpos = _query_rows(pid_bh, pid_m, BLOCK_M, M_TOTAL, N_Q, q_end)
+    # q's rows of (sequence, KV head) pid_bh start at pid_bh * Q_SBH and come in blocks of Q_BLK
+    # consecutive rows, Q_SBLK apart (the cascade's prefix pass: each agent's rows, read in place)
+    rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    q_off = (pid_bh.to(tl.int64) * Q_SBH + (rows // Q_BLK).to(tl.int64) * Q_SBLK
+             + (rows % Q_BLK).to(tl.int64) * D)
 
     # q in the K tiles' column order (triton_codec.perm_cols), loaded once per program
-    q0 = _load_q(Q, q_rows, rmask, 0, K_GW, K_NPH, D)
+    q0 = _load_q(Q, q_off, rmask, 0, K_GW, K_NPH, D)
     if NGK > 1:
-        q1 = _load_q(Q, q_rows, rmask, 1, K_GW, K_NPH, D)
+        q1 = _load_q(Q, q_off, rmask, 1, K_GW, K_NPH, D)
     if NGK > 2:
-        q2 = _load_q(Q, q_rows, rmask, 2, K_GW, K_NPH, D)
-        q3 = _load_q(Q, q_rows, rmask, 3, K_GW, K_NPH, D)
+        q2 = _load_q(Q, q_off, rmask, 2, K_GW, K_NPH, D)
+        q3 = _load_q(Q, q_off, rmask, 3, K_GW, K_NPH, D)
 
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
@@ -629,8 +636,12 @@ def decode_parts(qp: torch.Tensor, n_q: int, k: Packed, v: Packed, k_codec, v_co
                  vector_factors: bool = True, split_len: int | None = None,
                  max_split: int = 0, chunks=None, total_rows: int = 0, pdl: bool = True,
                  rec: list | None = None) -> SplitParts:
-    """The split-KV pass (stage 1) of a decode call. qp: [B, Hkv, M, D] contiguous (any float dtype), already in K's storage domain (rotated / InnerQ-
-    divided), rows r = head_in_group * n_q + j. k, v: Packed leading [B or 1, Hkv, S_cap].
+    """The split-KV pass (stage 1) of a decode call. qp: [B, Hkv, M, D] contiguous (any float
+    dtype), already in K's storage domain (rotated / InnerQ-divided), rows r = head_in_group * n_q
+    + j; or [B, Hkv, NB, MB, D], the M = NB * MB rows of a KV head as NB blocks of MB contiguous
+    rows at any spacing (the cascade's prefix pass: every agent's rows of a KV head, viewed in
+    place), which the tile kernel reads as they lie and the phase kernel after a copy.
+    k, v: Packed leading [B or 1, Hkv, S_cap].
     dec: "asm" (PTX byte-permute lookup, CUDA only), "select" (plain Triton), "auto" (asm where it
     applies and builds). impl: "phase" (_phase_decode_kernel), "tile" (_decode_kernel), "auto"
     (phase where both codecs allow it: phase_ok). maxnreg: a register cap per thread (tuning).
@@ -656,8 +667,15 @@ def decode_parts(qp: torch.Tensor, n_q: int, k: Packed, v: Packed, k_codec, v_co
     Returns the splits' partial results (`SplitParts`; rows
     [B, Hkv, M], V's storage domain). rec: the launch's plan (`_DecodePlan`, None where this call
     is not planned) is appended to it."""
-    B, Hkv, M, D = qp.shape
+    B, Hkv, D = qp.shape[0], qp.shape[1], qp.shape[-1]
     dev = qp.device
+    if qp.dim() == 5:  # blocked rows: the tile kernel reads them in place, the phase kernel a copy
+        M = qp.shape[2] * qp.shape[3]
+        impl = _resolve_impl(impl, M, k_codec, v_codec)
+        if impl != "tile" or _row_blocks(qp) is None:
+            qp = qp.reshape(B, Hkv, M, D).contiguous()
+    else:
+        M = qp.shape[2]
     plan_key = None
     if (chunks is None and _plannable(dev)
             and all(t is None or (t.dtype == torch.int32 and t.device == dev)
@@ -673,10 +691,12 @@ def decode_parts(qp: torch.Tensor, n_q: int, k: Packed, v: Packed, k_codec, v_co
             if rec is not None:
                 rec.append(p)
             return p(qp, k, v, kv_lens, kv_start, page_table, q_shift=q_shift)
-    if impl == "auto":  # H200 v5 sweep: phase for decode-sized row tiles, tile for the cascade
-        impl = ("phase" if M <= PHASE_MAX_ROWS and phase_ok(k_codec) and phase_ok(v_codec)
-                else "tile")
+    impl = _resolve_impl(impl, M, k_codec, v_codec)
     phase = impl == "phase"
+    q_blocks = None if phase else _row_blocks(qp)
+    if not phase and q_blocks is None:
+        raise ValueError(f"query rows of shape {tuple(qp.shape)} and strides {qp.stride()}: "
+                         "each row block must be contiguous")
     km, vm = ((phase_meta(k_codec), phase_meta(v_codec)) if phase
               else (codec_meta(k_codec), codec_meta(v_codec)))
     if chunks is None:
@@ -778,7 +798,7 @@ def decode_parts(qp: torch.Tensor, n_q: int, k: Packed, v: Packed, k_codec, v_co
             lens if q_shift is None else q_shift.to(device=dev, dtype=torch.int32),
             *kcs, *kss, *vcs, *vss,
             Hkv, M, n_q, split_len, n_splits, row0 // split_len, sm_scale * LOG2E,
-            int(window or 0), pt_stride,
+            int(window or 0), pt_stride, *(() if phase else q_blocks),
             D=D, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, PAGE=int(page_size) if paged else 0,
             **codec_args("K", km, kd, kp, kss), **codec_args("V", vm, vd, vp, vss),
             CAUSAL=bool(causal), HAS_WINDOW=window is not None, HAS_START=kv_start is not None,
@@ -809,6 +829,29 @@ def decode_parts(qp: torch.Tensor, n_q: int, k: Packed, v: Packed, k_codec, v_co
     if rec is not None:
         rec.append(p)
     return SplitParts(o_part, l_part, n_splits)
+
+
+def _resolve_impl(impl: str, M: int, k_codec, v_codec) -> str:
+    """decode_parts' kernel: impl, or for "auto" (H200 v5 sweep) the phase kernel for
+    decode-sized row tiles where both codecs allow it, the tile kernel for the cascade."""
+    if impl != "auto":
+        return impl
+    return "phase" if M <= PHASE_MAX_ROWS and phase_ok(k_codec) and phase_ok(v_codec) else "tile"
+
+
+def _row_blocks(qp: torch.Tensor) -> tuple[int, int, int] | None:
+    """The tile kernel's view of query rows qp [B, Hkv, M, D] or [B, Hkv, NB, MB, D] (NB blocks of
+    MB rows per KV head, e.g. the cascade's agents): (elements between consecutive (sequence, KV
+    head) pairs, rows per block, elements between blocks), or None where the rows are not laid out
+    so (a block's rows must be contiguous, the (sequence, KV head) pairs evenly spaced)."""
+    B, Hkv, D = qp.shape[0], qp.shape[1], qp.shape[-1]
+    if qp.dim() == 4:
+        qp = qp.unsqueeze(2)
+    _, _, NB, MB, _ = qp.shape
+    s = qp.stride()
+    if s[4] != 1 or (MB > 1 and s[3] != D) or (B > 1 and s[0] != Hkv * s[1]):
+        return None
+    return s[1], MB, s[2] if NB > 1 else 0
 
 
 def plan_split_len(S: int, groups: int, target: int, block_n: int, max_split: int = 0) -> int:

@@ -130,6 +130,57 @@ def test_cascade_prefix_row_tile_halves_for_short_splits(monkeypatch, P, want_ti
     assert tiles == [want_tile]
 
 
+@pytest.mark.parametrize("impl", ["tile", "phase"])
+def test_decode_parts_reads_blocked_query_rows_as_the_contiguous_rows(impl):
+    """qp [B, Hkv, NB, MB, D] with the blocks apart (a permuted view, as the cascade's prefix pass
+    passes every agent's rows): the same partials, bit for bit, as the rows made contiguous — read
+    in place by the tile kernel, copied for the phase kernel."""
+    from polykv.kernels import dispatch
+
+    td = dispatch._k()[0]  # the kernel modules as dispatch loads them (interpreter patched)
+
+    torch.manual_seed(11)
+    N, Hkv, MB, D, P = 5, 2, 3, 64, 200
+    kc, vc = get_codec("q8_0", D), get_codec("turbo3", D)
+    k, v = kc.encode(torch.randn(1, Hkv, P, D)), vc.encode(torch.randn(1, Hkv, P, D))
+    rows = torch.randn(N, Hkv, MB, D, dtype=torch.float16)  # each agent's rows, agents outermost
+    blocked = rows.permute(1, 0, 2, 3).unsqueeze(0)  # [1, Hkv, N, MB, D], not contiguous
+    assert td._row_blocks(blocked) == (MB * D, MB, Hkv * MB * D)
+    lens = torch.tensor([P], dtype=torch.int32)
+    kw = dict(causal=False, window=None, sm_scale=0.125, impl=impl, max_split=64)
+    got = td.decode_parts(blocked, MB, k, v, kc, vc, lens, **kw)
+    want = td.decode_parts(blocked.reshape(1, Hkv, N * MB, D).contiguous(), MB, k, v, kc, vc, lens, **kw)
+    assert got.n_splits == want.n_splits > 1
+    assert torch.equal(got.o, want.o) and torch.equal(got.lse, want.lse)
+
+
+def test_cascade_prefix_pass_reads_the_agents_query_rows_in_place(monkeypatch):
+    """The tile kernel's prefix pass of a cascade (head_dim 64: no warp-specialised pass) gets the
+    agents' query rows as a view of q — no copy per call — and the values stay the reference's."""
+    from polykv.kernels import triton_decode as td
+
+    queries = []
+    real = td.cached_launch
+
+    def record(fn, grid, *args, **kw):
+        if fn is td._decode_kernel and kw.get("CAUSAL") is False:  # the prefix pass
+            queries.append(args[0])
+        return real(fn, grid, *args, **kw)
+
+    monkeypatch.setattr(td, "cached_launch", record)
+    torch.manual_seed(4)
+    N, Hkv, group, D, P = 7, 2, 3, 64, 300
+    kc, vc = get_codec("q8_0", D), get_codec("turbo3", D)
+    pk, pv = kc.encode(torch.randn(1, Hkv, P, D)), vc.encode(torch.randn(1, Hkv, P, D))
+    sk, sv = kc.encode(torch.randn(N, Hkv, 8, D)), vc.encode(torch.randn(N, Hkv, 8, D))
+    sl = torch.tensor([3, 8, 5, 1, 7, 2, 0], dtype=torch.int32)
+    q = torch.randn(N, Hkv * group, 1, D, dtype=torch.float16)
+    out, lse = cascade_attention(q, pk, pv, sk, sv, sl, kc, vc)
+    o2, l2 = cascade_attention_ref(q, pk, pv, sk, sv, sl, kc, vc)
+    assert rel(out, o2) <= 1e-2 and lse_ok(lse, l2)
+    assert len(queries) == 1 and queries[0].data_ptr() == q.data_ptr()
+
+
 @pytest.mark.parametrize("kn,vn,D,agents,P,chunk", [
     ("q8_0", "turbo3", 128, 3, 1000, 512),   # 3 chunks, the last one short
     ("turbo4", "turbo3", 64, 9, 700, 256),   # rows per KV head > 16: the tile kernel
