@@ -355,10 +355,10 @@ def _windowed_cascade(q, prefix_k, prefix_v, suffix_k, suffix_v, suffix_lens, kc
             return (torch.zeros(out_shape, dtype=q.dtype, device=dev),
                     torch.full(out_shape[:-1], float("-inf"), device=dev))
         # the segment alone (no older row in any window): its q8_0 values are true space
-        return dec.combine_splits(third, shape, recent.codec, q.dtype, out_shape=out_shape)
+        return dec.combine_splits(third, shape, recent.codec, q.dtype, out_shape=out_shape, tokens=n_q)
     first_pass, second = (prefix, suffix) if prefix is not None else (suffix, None)
     return dec.combine_splits(first_pass, shape, vc, q.dtype, second=second, third=third,
-                              out_shape=out_shape)
+                              out_shape=out_shape, tokens=n_q)
 
 
 class _CascadeCall:

@@ -26,7 +26,7 @@ from ..codecs import Packed
 from .gluon_prefix import WsPlan, ws_ok, ws_prefix_parts
 from .launch import Planned
 from .launch import launch as cached_launch
-from .triton_decode import PHASE_MAX_ROWS, _DecodePlan, combine_splits, decode_parts
+from .triton_decode import PHASE_MAX_ROWS, _DecodePlan, combine_splits, decode_parts, token_major
 
 
 @triton.jit
@@ -104,8 +104,9 @@ def cascade_prepared(qp: torch.Tensor, n_q: int, prefix_k: Packed | None, prefix
     split length: the values of the joined prefix, bit for bit. The prefix pass's splits are
     powers of two of at most prefix_max_split rows, whole or chunked, so chunks that start at
     multiples of prefix_max_split always qualify. Returns (out, lse): out [N, Hkv, M, D] float32 in
-    V's storage domain, or with out_dtype true space in that dtype; lse float32 [N, Hkv, M]
-    (`triton_decode.combine_splits`). recent: a recent window's segment (qr, k, v, codec, lens,
+    V's storage domain and lse float32 [N, Hkv, M]; with out_dtype, true space in that dtype as
+    [N, Hq, n_q, D] (a token-major buffer's view where n_q > 1: `triton_decode.token_major`) and lse
+    [N, Hq, n_q] (`triton_decode.combine_splits`). recent: a recent window's segment (qr, k, v, codec, lens,
     window, kv_start) — query rows [N, Hkv, M, D] for its q8_0 keys, Packed leading [N, Hkv, W],
     int32 [N] lengths (W) and kv_start — as a third split pass (causal, windowed) in true space,
     joined by the same combine (needs out_dtype). kw tunes every pass, prefix_tune (over kw) the
@@ -150,13 +151,17 @@ def cascade_prepared(qp: torch.Tensor, n_q: int, prefix_k: Packed | None, prefix
         qr, rk, rv, rc, rlens, rwin, rstart = recent
         third = decode_parts(qr, n_q, rk, rv, rc, rc, rlens, causal=True, window=rwin,
                              sm_scale=sm_scale, kv_start=rstart, rec=sub, **kw)
+    # true-space output for a model: token-major where there are several query columns, so the
+    # model's [N, n_q, Hq * D] reshape of it is a view, not a copy kernel per layer
+    tokens = n_q if out_dtype is not None else 1
     out, lse = combine_splits(prefix, (N, Hkv, M, D), v_codec, out_dtype, second=suffix,
-                              third=third, heads_major=True, rec=sub)
+                              third=third, heads_major=True, tokens=tokens, rec=sub)
     if rec is not None:
         ok = all(p is not None for p in sub)
         rec.append(CascadePasses.of(sub[0], sub[1] if suffix is not None else None,
                                     sub[-2] if third is not None else None, sub[-1],
-                                    (N, Hkv, M, D), out_dtype, _prefix_lens(prefix_rows, qp.device))
+                                    (N, Hkv, M, D), out_dtype, _prefix_lens(prefix_rows, qp.device),
+                                    tokens)
                    if ok else None)
     return out, lse
 
@@ -174,17 +179,19 @@ class CascadePasses(NamedTuple):
     out_dtype: torch.dtype | None
     prefix_lens: torch.Tensor  # int32 [1]: the prefix's rows
     part_sizes: tuple  # float32 elements of each pass's (o, lse) partials, in one allocation
+    tokens: int  # > 1: the combine stores token-major (`triton_decode.token_major`)
 
     @classmethod
     def of(cls, prefix: WsPlan, suffix: "_DecodePlan | None", recent: "_DecodePlan | None",
-           combine: Planned, shape: tuple, out_dtype, prefix_lens: torch.Tensor) -> "CascadePasses":
+           combine: Planned, shape: tuple, out_dtype, prefix_lens: torch.Tensor,
+           tokens: int = 1) -> "CascadePasses":
         # each partial starts 64-byte aligned, as a fresh buffer would (the launches were
         # specialised on it)
         sizes = tuple(-(-n // 16) * 16 for p in (prefix, suffix, recent) if p is not None
                       for n in (p.o_numel, p.l_numel))
         if prefix_lens.is_cuda:
             side_stream(prefix_lens.device)  # made now, not inside a capture
-        return cls(prefix, suffix, recent, combine, shape, out_dtype, prefix_lens, sizes)
+        return cls(prefix, suffix, recent, combine, shape, out_dtype, prefix_lens, sizes, tokens)
 
     def __call__(self, qp: torch.Tensor, prefix_k: Packed, prefix_v: Packed, suffix_k: Packed,
                  suffix_v: Packed, suffix_lens: torch.Tensor, suffix_pages: torch.Tensor | None,
@@ -221,8 +228,11 @@ class CascadePasses(NamedTuple):
                 o_t, l_t, _ = r(qr, rk, rv, rlens, kv_start=rstart, parts=parts[-2:])
         if fork:
             main.wait_stream(side)
+        N, Hkv, M, D = self.shape
+        if self.tokens > 1:
+            out_shape = (N, Hkv * M // self.tokens, self.tokens, D)
         out_shape = out_shape or self.shape
-        out = torch.empty(out_shape, dtype=self.out_dtype or torch.float32, device=dev)
+        out = token_major(out_shape, self.out_dtype or torch.float32, dev, self.tokens)
         lse = torch.empty(out_shape[:-1], dtype=torch.float32, device=dev)
         self.combine(o_p, l_p, o_s, l_s, o_t, l_t, out, lse)
         return out, lse

@@ -335,7 +335,7 @@ def _splits_sum(O, L, row, NS, NS_P2: tl.constexpr, NS_CH: tl.constexpr, m_safe,
 
 @triton.jit
 def _combine_kernel(PO, PL, SO, SL, TO, TL, OUT, LSE, ROT, HKV, M, N_AGENTS, NSP, NSS, NST,
-                    D: tl.constexpr, NSP_P2: tl.constexpr, NSS_P2: tl.constexpr,
+                    OUT_NQ, OUT_HQ, D: tl.constexpr, NSP_P2: tl.constexpr, NSS_P2: tl.constexpr,
                     NST_P2: tl.constexpr, G: tl.constexpr, HAS_S: tl.constexpr,
                     HAS_T: tl.constexpr, UNROT: tl.constexpr, NSP_CH: tl.constexpr = 1,
                     NSS_CH: tl.constexpr = 1, NST_CH: tl.constexpr = 1, PDL: tl.constexpr = False):
@@ -348,7 +348,8 @@ def _combine_kernel(PO, PL, SO, SL, TO, TL, OUT, LSE, ROT, HKV, M, N_AGENTS, NSP
     With UNROT the row goes from V's storage domain back to true space (y_g = o_g @ M^T per group
     of G, ROT = M float32 [G, G]); with HAS_T the splits of a third pass T (TO / TL, row r) over
     other keys, already in true space (a recent window's q8_0 segment), join after that; stored
-    in OUT's dtype: the whole epilogue of a decode or cascade call in one launch. PDL: launched
+    in OUT's dtype: the whole epilogue of a decode or cascade call in one launch. OUT_NQ > 1: OUT
+    token-major (`_out_row`), LSE in r's order. PDL: launched
     as a programmatic dependent of the split pass (`pdl_ok`), so
     it waits for that pass's results here."""
     if PDL:
@@ -357,6 +358,7 @@ def _combine_kernel(PO, PL, SO, SL, TO, TL, OUT, LSE, ROT, HKV, M, N_AGENTS, NSP
     n = r // (HKV * M)
     h = (r // M) % HKV
     pr = (h * N_AGENTS + n) * M + r % M
+    orow = _out_row(r, OUT_NQ, OUT_HQ)
     m = _splits_max(PL, pr, NSP, NSP_P2, NSP_CH, float("-inf"))
     if HAS_S:
         m = _splits_max(SL, r, NSS, NSS_P2, NSS_CH, m)
@@ -383,8 +385,17 @@ def _combine_kernel(PO, PL, SO, SL, TO, TL, OUT, LSE, ROT, HKV, M, N_AGENTS, NSP
         if HAS_T:
             out += _splits_sum(TO, TL, r, NST, NST_P2, NST_CH, m_safe, d, D,
                                tl.zeros([G], tl.float32)) / den
-        tl.store(OUT + r * D + d, out.to(OUT.dtype.element_ty))
+        tl.store(OUT + orow * D + d, out.to(OUT.dtype.element_ty))
     tl.store(LSE + r, tl.where(tot > 0, m_safe + tl.log(den), float("-inf")))
+
+
+@triton.jit
+def _out_row(r, OUT_NQ, OUT_HQ):
+    """Where output row r = (b * Hq + hq) * OUT_NQ + t ([B, Hq, n_q] order, Hq = OUT_HQ) is
+    stored: row (b * OUT_NQ + t) * OUT_HQ + hq, token-major ([B, n_q, Hq]: a verify step's
+    attention output as the model reshapes it, [B, n_q, Hq * D], in place); r itself at OUT_NQ 1."""
+    rq = r // OUT_NQ
+    return (rq // OUT_HQ * OUT_NQ + r % OUT_NQ) * OUT_HQ + rq % OUT_HQ
 
 
 @triton.jit
@@ -417,7 +428,7 @@ def _splits_tile_sum(O, L, prow, rmask, NS, SC: tl.constexpr, NT: tl.constexpr, 
 
 @triton.jit
 def _combine_rows_kernel(PO, PL, SO, SL, TO, TL, OUT, LSE, ROT, HKV, M, N_AGENTS, R, NSP, NSS, NST,
-                         D: tl.constexpr, BLOCK_R: tl.constexpr, SC: tl.constexpr,
+                         OUT_NQ, OUT_HQ, D: tl.constexpr, BLOCK_R: tl.constexpr, SC: tl.constexpr,
                          NTP: tl.constexpr, NTS: tl.constexpr, NTT: tl.constexpr,
                          DC: tl.constexpr, HAS_S: tl.constexpr, HAS_T: tl.constexpr,
                          UNROT: tl.constexpr, PDL: tl.constexpr = False):
@@ -457,7 +468,8 @@ def _combine_rows_kernel(PO, PL, SO, SL, TO, TL, OUT, LSE, ROT, HKV, M, N_AGENTS
         out = tl.dot(out, mt, input_precision="tf32x3")
     if HAS_T:
         out += acc_t / den[:, None]
-    tl.store(OUT + r[:, None] * D + cols[None, :], out.to(OUT.dtype.element_ty), mask=rmask[:, None])
+    orow = _out_row(r, OUT_NQ, OUT_HQ)
+    tl.store(OUT + orow[:, None] * D + cols[None, :], out.to(OUT.dtype.element_ty), mask=rmask[:, None])
     if tl.program_id(1) == 0:
         tl.store(LSE + r, tl.where(tot > 0, m_safe + tl.log(den), float("-inf")), mask=rmask)
 
@@ -867,9 +879,18 @@ def plan_split_len(S: int, groups: int, target: int, block_n: int, max_split: in
     return split_len
 
 
+def token_major(shape: tuple, dtype: torch.dtype, dev, tokens: int = 1) -> torch.Tensor:
+    """An empty [B, Hq, n_q, D] output (shape): contiguous, or with tokens > 1 (= n_q) the
+    [B, Hq, n_q, D] view of a [B, n_q, Hq, D] buffer, where the combine stores token-major."""
+    if tokens <= 1:
+        return torch.empty(shape, dtype=dtype, device=dev)
+    B, Hq, n_q, D = shape
+    return torch.empty((B, n_q, Hq, D), dtype=dtype, device=dev).permute(0, 2, 1, 3)
+
+
 def combine_splits(parts: SplitParts, shape: tuple, v_codec, out_dtype: torch.dtype | None = None,
                    *, second: SplitParts | None = None, third: SplitParts | None = None,
-                   heads_major: bool = False, out_shape: tuple | None = None,
+                   heads_major: bool = False, out_shape: tuple | None = None, tokens: int = 1,
                    rec: list | None = None):
     """Stage 2 in one launch: merge every split of `parts` (and of `second`, a second pass over
     other keys of the same rows) by log-sum-exp into out [*shape] = [B, Hkv, M, D] (float32, V's
@@ -879,22 +900,26 @@ def combine_splits(parts: SplitParts, shape: tuple, v_codec, out_dtype: torch.dt
     third: a pass over yet other keys whose outputs are in true space already (a recent window's
     q8_0 segment), rows in shape's order; needs true-space output (out_dtype) where V is rotated.
     out_shape: out allocated as [*out_shape] and lse as [*out_shape[:-1]] instead, the same
-    row-major rows (the caller's [B, Hq, n_q, D]: no reshape per call). rec: the launch's plan
-    (None where not planned) is appended to it."""
+    row-major rows (the caller's [B, Hq, n_q, D]: no reshape per call). tokens > 1 (the rows'
+    n_q): out is that [B, Hq, tokens, D] as a view of a token-major [B, tokens, Hq, D] buffer
+    (`token_major`) — lse as with out_shape. rec: the launch's plan (None where not planned) is
+    appended to it."""
     B, Hkv, M, D = shape
     dev = parts.o.device
     unrot = out_dtype is not None and getattr(v_codec, "rotated", False)
     if third is not None and out_dtype is None and getattr(v_codec, "rotated", False):
         raise ValueError("a true-space third pass needs true-space output (out_dtype)")
+    if tokens > 1:
+        out_shape = (B, Hkv * M // tokens, tokens, D)
     out_shape = out_shape or shape
-    out = torch.empty(out_shape, dtype=out_dtype or torch.float32, device=dev)
+    out = token_major(out_shape, out_dtype or torch.float32, dev, tokens)
     lse = torch.empty(out_shape[:-1], dtype=torch.float32, device=dev)
     s, t = second or parts, third or parts  # never read without their passes
     plan_key = None
     if _plannable(dev):  # parts, out, lse: fresh allocations (aligned)
         plan_key = ("combine", dev.index, tuple(shape), tuple(out_shape), parts.n_splits,
                     second and second.n_splits, third and third.n_splits, _codec_key(v_codec),
-                    out_dtype, heads_major)
+                    out_dtype, heads_major, tokens)
         planned = _PLANS.get(plan_key)
         if planned is not None:
             planned(parts.o, parts.lse, s.o, s.lse, t.o, t.lse, out, lse)
@@ -924,7 +949,8 @@ def combine_splits(parts: SplitParts, shape: tuple, v_codec, out_dtype: torch.dt
     if rows:
         planned = cached_launch(
             kernel, grid, parts.o, parts.lse, s.o, s.lse, t.o, t.lse, out, lse, rot,
-            *((Hkv, M, B) if heads_major else (1, 1, 1)), *counts, D=D, HAS_S=second is not None,
+            *((Hkv, M, B) if heads_major else (1, 1, 1)), *counts,
+            tokens, Hkv * M // tokens if tokens > 1 else 1, D=D, HAS_S=second is not None,
             HAS_T=third is not None, UNROT=unrot, **meta,
             **({"PDL": True, "launch_pdl": True} if pdl_ok(dev) else {}),
             plan=8 if plan_key is not None else 0)

@@ -182,6 +182,32 @@ def test_a_cascade_tuned_with_nested_dicts_is_planned(ws_launches):
     assert [_name(e) for e in launches[3:]] == ["_ws_prefix_kernel"] and len(td._CALLS) == 2
 
 
+def test_a_verify_width_cascade_stores_its_output_token_major(ws_launches, monkeypatch):
+    """n_q > 1 (a verify step): the combine stores out token-major, eager and planned, so the
+    model's [N, n_q, Hq * D] reshape of out.transpose(1, 2) is a view, not a copy per layer."""
+    from polykv.kernels import triton_cascade
+
+    launches = ws_launches
+    g = torch.Generator().manual_seed(6)
+    kc, vc = get_codec("q8_0", 128), get_codec("turbo3", 128)
+    pk, pv = kc.encode(torch.randn(1, 2, 128, 128, generator=g)), vc.encode(torch.randn(1, 2, 128, 128, generator=g))
+    sk, sv = kc.encode(torch.randn(5, 2, 16, 128, generator=g)), vc.encode(torch.randn(5, 2, 16, 128, generator=g))
+    sl = torch.tensor([16, 3, 0, 9, 16], dtype=torch.int32)
+
+    def q():  # as a model's projection leaves it: [N, n_q, Hq, D] memory, viewed [N, Hq, n_q, D]
+        return torch.randn(5, 2, 8, 128, generator=g).transpose(1, 2)
+
+    out, lse = dispatch.cascade_attention(q(), pk, pv, sk, sv, sl, kc, vc)
+    (_, _, _), (_, _, _), (_, cargs, cplan) = launches
+    assert out.shape == (5, 8, 2, 128) and lse.shape == (5, 8, 2)
+    assert out.transpose(1, 2).is_contiguous() and cargs[6].data_ptr() == out.data_ptr()
+    monkeypatch.setattr(triton_cascade, "cascade_prepared", lambda *a, **k: 1 / 0)
+    out2, lse2 = dispatch.cascade_attention(q(), pk, pv, sk, sv, sl, kc, vc)
+    (c,) = cplan.calls
+    assert c[6] is out2 and out2.shape == (5, 8, 2, 128) and out2.transpose(1, 2).is_contiguous()
+    assert lse2.shape == (5, 8, 2) and lse2.is_contiguous()
+
+
 def test_a_cascade_with_a_recent_segment_plans_its_third_pass(ws_launches, monkeypatch):
     """A cascade with a recent window's segment (`dispatch.cascade_attention(recent=)`): the
     segment's split pass is a third planned pass whose partials the one combine reads; a

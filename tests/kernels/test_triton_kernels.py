@@ -130,6 +130,24 @@ def test_cascade_prefix_row_tile_halves_for_short_splits(monkeypatch, P, want_ti
     assert tiles == [want_tile]
 
 
+@pytest.mark.parametrize("n_q,window", [(1, None), (3, None), (3, 40), (2, 40)])
+def test_cascade_output_is_token_major_at_several_query_columns(n_q, window):
+    """Several query columns per agent (a verify step): the cascade's out [N, Hq, n_q, D] is a view
+    of token-major storage ([N, n_q, Hq, D], what the model reshapes), full and windowed layers;
+    one column: contiguous as before. Values = the reference either way."""
+    torch.manual_seed(n_q * 7 + (window or 0))
+    N, Hkv, group, D, P = 6, 2, 3, 64, 120
+    kc, vc = get_codec("q8_0", D), get_codec("turbo3", D)
+    pk, pv = kc.encode(torch.randn(1, Hkv, P, D)), vc.encode(torch.randn(1, Hkv, P, D))
+    sk, sv = kc.encode(torch.randn(N, Hkv, 12, D)), vc.encode(torch.randn(N, Hkv, 12, D))
+    sl = torch.tensor([3, 12, 5, 1, 7, 2], dtype=torch.int32)
+    q = torch.randn(N, n_q, Hkv * group, D, dtype=torch.float16).transpose(1, 2)
+    out, lse = cascade_attention(q, pk, pv, sk, sv, sl, kc, vc, window=window)
+    o2, l2 = cascade_attention_ref(q, pk, pv, sk, sv, sl, kc, vc, window=window)
+    assert rel(out, o2) <= 1e-2 and lse_ok(lse, l2)
+    assert out.shape == (N, Hkv * group, n_q, D) and out.transpose(1, 2).is_contiguous()
+
+
 @pytest.mark.parametrize("impl", ["tile", "phase"])
 def test_decode_parts_reads_blocked_query_rows_as_the_contiguous_rows(impl):
     """qp [B, Hkv, NB, MB, D] with the blocks apart (a permuted view, as the cascade's prefix pass
