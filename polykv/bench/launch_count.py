@@ -7,9 +7,10 @@ step of a pool runs — the structure of a captured step, without a GPU (the GPU
 
 Tiny random Llama (2 full-attention layers) and Gemma-3 (2 sliding + 1 full), head_dim 64, K q8_0 /
 V turbo3, 4 agents over a 40-token document, recent windows R = 0 and 4; the fourth step of the
-batch is counted. torch ops: aten ops other than views and allocations, outside the Triton
-launches (the interpreter's own tensor traffic is not counted). Prints one line per case and
-writes the JSON to --out.
+batch is counted, and with R = 4 also a verify step of 2 drafts per agent (issue I; case
+"<model>_R4_verify2"). torch ops: aten ops other than views and allocations, outside the Triton
+launches (the interpreter's own tensor traffic is not counted; a reshape that copies counts).
+Prints one line per case and writes the JSON to --out.
 """
 
 from __future__ import annotations
@@ -64,7 +65,7 @@ def _models():
         layer_types=["sliding_attention", "sliding_attention", "full_attention"], **common)).eval()
 
 
-def count(recents=(0, 4), agents: int = 4) -> dict:
+def count(recents=(0, 4), agents: int = 4, drafts: int = 2) -> dict:
     from triton.runtime.interpreter import InterpretedFunction
 
     from polykv.kernels import use_triton
@@ -83,15 +84,26 @@ def count(recents=(0, 4), agents: int = 4) -> dict:
             inside.pop()
 
     res = {}
+
+    def record(case: str, layers: int, ops: _TorchOps) -> None:
+        kernels = {k: launches.count(k) for k in sorted(set(launches))}
+        res[case] = dict(layers=layers, triton=len(launches), triton_by_kernel=kernels,
+                         torch_ops=sum(ops.ops.values()), torch_by_op=ops.ops)
+        print(f"{case}: {len(launches)} Triton launches {kernels}, {sum(ops.ops.values())} torch ops",
+              flush=True)
+
     InterpretedFunction.run = recorded
     try:
         for name, model in _models():
             for R in recents:
+                verify = drafts if R else 0
                 pool = SharedKVPool(model, None, k="q8_0", v="turbo3", progress=False, recent=R)
                 g = torch.Generator().manual_seed(1)
                 doc = pool.add_document(torch.randint(3, 120, (40,), generator=g).tolist())
                 with torch.inference_mode(), pool.open_batch(doc, capacity=agents, seq_capacity=40,
                                                              graphs=False) as b:
+                    if verify:
+                        b.expect_drafts(verify)
                     for n in (5, 1, 11, 3)[:agents]:
                         b.add(torch.randint(3, 120, (n,), generator=g).tolist())
                     toks = b.step_tokens()
@@ -101,13 +113,14 @@ def count(recents=(0, 4), agents: int = 4) -> dict:
                     b.feed(toks)
                     launches.clear()
                     with _TorchOps(inside) as ops:
-                        b.step_tokens()
-                kernels = {k: launches.count(k) for k in sorted(set(launches))}
-                res[f"{name}_R{R}"] = dict(layers=model.config.num_hidden_layers, triton=len(launches),
-                                           triton_by_kernel=kernels, torch_ops=sum(ops.ops.values()),
-                                           torch_by_op=ops.ops)
-                print(f"{name} R={R}: {len(launches)} Triton launches {kernels}, "
-                      f"{sum(ops.ops.values())} torch ops", flush=True)
+                        toks = b.step_tokens()
+                    record(f"{name}_R{R}", model.config.num_hidden_layers, ops)
+                    if verify:  # drafts of any tokens: the count does not depend on acceptance
+                        b.feed(toks, {a: [3 + (t % 100)] * verify for a, t in toks.items()})
+                        launches.clear()
+                        with _TorchOps(inside) as ops:
+                            b.launch_verify().result()
+                        record(f"{name}_R{R}_verify{verify}", model.config.num_hidden_layers, ops)
                 pool.close()
     finally:
         InterpretedFunction.run = run
