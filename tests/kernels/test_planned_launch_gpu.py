@@ -65,33 +65,37 @@ def test_decode_plan_keys_on_alignment_and_strides():
             assert all(torch.equal(a, b) for a, b in zip(got, ref))
 
 
-@pytest.mark.parametrize("N,paged,kname", [(8, True, "q8_0"), (5, False, "q8_0"), (32, False, "q8_0"),
-                                           (8, False, "turbo4")])
-def test_cascade_plans_equal_tritons_launch(N, paged, kname):
+@pytest.mark.parametrize("N,paged,kname,n_q,D", [(8, True, "q8_0", 1, 128), (5, False, "q8_0", 1, 128),
+                                                (32, False, "q8_0", 1, 128), (8, False, "turbo4", 1, 128),
+                                                (8, False, "q8_0", 3, 128), (32, False, "q8_0", 3, 64)])
+def test_cascade_plans_equal_tritons_launch(N, paged, kname, n_q, D):
     """The planned cascade call (one key: prefix pass, suffix pass, combine; on sm_90 the
     warp-specialised prefix pass reads the agents' rows in place) gives Triton's bits, and the
-    reference's values within the kernels' tolerance."""
+    reference's values within the kernels' tolerance. Several query columns (a verify step's
+    strided q): out is stored token-major; head_dim 64: the tile kernel's prefix pass reads the
+    agents' rows in place."""
     from polykv.kernels import cascade_attention_ref
 
     g = torch.Generator(device="cuda").manual_seed(3 + N)
-    kc, vc = get_codec(kname, 128), get_codec("turbo3", 128)
-    pk, pv = kc.encode(_rnd(g, 1, 8, 4096, 128)), vc.encode(_rnd(g, 1, 8, 4096, 128))
+    kc, vc = get_codec(kname, D), get_codec("turbo3", D)
+    pk, pv = kc.encode(_rnd(g, 1, 8, 4096, D)), vc.encode(_rnd(g, 1, 8, 4096, D))
     P = 64
     rows = 4 * N * P if paged else 4 * P
-    sk, sv = kc.encode(_rnd(g, 1 if paged else N, 8, rows, 128)), vc.encode(_rnd(g, 1 if paged else N, 8, rows, 128))
+    sk, sv = kc.encode(_rnd(g, 1 if paged else N, 8, rows, D)), vc.encode(_rnd(g, 1 if paged else N, 8, rows, D))
     before = len(td._CALLS)
     for _ in range(3):
         pages = torch.randperm(4 * N, device="cuda", generator=g).to(torch.int32).view(N, 4) if paged else None
         lens = torch.randint(0, 4 * P, (N,), device="cuda", generator=g, dtype=torch.int32)
-        q = _rnd(g, N, 32, 1, 128)
+        q = _rnd(g, N, n_q, 32, D).transpose(1, 2)
         got, ref = _both(lambda: cascade_attention(q, pk, pv, sk, sv, lens, kc, vc,
                                                    suffix_pages=pages, page_size=P if paged else 0))
         assert all(torch.equal(a, b) for a, b in zip(got, ref))
+        assert ref[0].transpose(1, 2).is_contiguous()  # token-major where n_q > 1
     if not paged:
         want, _ = cascade_attention_ref(q, pk, pv, sk, sv, lens, kc, vc)
         err = (got[0].double() - want.double()).norm() / want.double().norm()
         assert err < 1e-2, err
-    if kname == "q8_0" and torch.cuda.get_device_capability() == (9, 0):
+    if kname == "q8_0" and D == 128 and torch.cuda.get_device_capability() == (9, 0):
         assert len(td._CALLS) > before  # the whole call was planned
 
 
