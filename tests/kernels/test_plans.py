@@ -128,6 +128,15 @@ def ws_launches(launches, monkeypatch):
     return launches
 
 
+def _five_agents(g):
+    """q8_0 / turbo3 codecs, a 128-row prefix (2 KV heads, head_dim 128) and 5 agents' 16-row
+    suffixes with their lengths."""
+    kc, vc = get_codec("q8_0", 128), get_codec("turbo3", 128)
+    pk, pv = kc.encode(torch.randn(1, 2, 128, 128, generator=g)), vc.encode(torch.randn(1, 2, 128, 128, generator=g))
+    sk, sv = kc.encode(torch.randn(5, 2, 16, 128, generator=g)), vc.encode(torch.randn(5, 2, 16, 128, generator=g))
+    return kc, vc, pk, pv, sk, sv, torch.tensor([16, 3, 0, 9, 16], dtype=torch.int32)
+
+
 def test_a_repeated_cascade_runs_its_call_plan(ws_launches, monkeypatch):
     """The cascade's planned call (warp-specialised prefix pass faked in: it reads the agents'
     rows in place, no permuted copy), then the suffix pass and the combine, on this call's tensors."""
@@ -135,10 +144,7 @@ def test_a_repeated_cascade_runs_its_call_plan(ws_launches, monkeypatch):
 
     launches = ws_launches
     g = torch.Generator().manual_seed(4)
-    kc, vc = get_codec("q8_0", 128), get_codec("turbo3", 128)
-    pk, pv = kc.encode(torch.randn(1, 2, 128, 128, generator=g)), vc.encode(torch.randn(1, 2, 128, 128, generator=g))
-    sk, sv = kc.encode(torch.randn(5, 2, 16, 128, generator=g)), vc.encode(torch.randn(5, 2, 16, 128, generator=g))
-    sl = torch.tensor([16, 3, 0, 9, 16], dtype=torch.int32)
+    kc, vc, pk, pv, sk, sv, sl = _five_agents(g)
     q1, q2 = torch.randn(5, 8, 1, 128, generator=g), torch.randn(5, 8, 1, 128, generator=g)
     dispatch.cascade_attention(q1, pk, pv, sk, sv, sl, kc, vc)
     assert [_name(e) for e in launches] == ["_ws_prefix_kernel", "_phase_decode_kernel", "_combine_kernel"]
@@ -189,10 +195,7 @@ def test_a_verify_width_cascade_stores_its_output_token_major(ws_launches, monke
 
     launches = ws_launches
     g = torch.Generator().manual_seed(6)
-    kc, vc = get_codec("q8_0", 128), get_codec("turbo3", 128)
-    pk, pv = kc.encode(torch.randn(1, 2, 128, 128, generator=g)), vc.encode(torch.randn(1, 2, 128, 128, generator=g))
-    sk, sv = kc.encode(torch.randn(5, 2, 16, 128, generator=g)), vc.encode(torch.randn(5, 2, 16, 128, generator=g))
-    sl = torch.tensor([16, 3, 0, 9, 16], dtype=torch.int32)
+    kc, vc, pk, pv, sk, sv, sl = _five_agents(g)
 
     def q():  # as a model's projection leaves it: [N, n_q, Hq, D] memory, viewed [N, Hq, n_q, D]
         return torch.randn(5, 2, 8, 128, generator=g).transpose(1, 2)
