@@ -166,6 +166,7 @@ def main() -> None:
     a = ap.parse_args()
     res = run(a.agents, a.ctx, tuple(int(x) for x in a.widths.split(",")), a.steps, a.layers, device=a.device,
               recent=a.recent)
+    os.makedirs(a.out, exist_ok=True)
     with open(os.path.join(a.out, "verify_profile.json"), "w") as f:
         json.dump(res, f, indent=1)
     base = {r["width"]: r for r in res["rows"]}.get(0)
