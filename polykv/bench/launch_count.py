@@ -65,7 +65,7 @@ def _models():
         layer_types=["sliding_attention", "sliding_attention", "full_attention"], **common)).eval()
 
 
-def count(recents=(0, 4), agents: int = 4, drafts: int = 2) -> dict:
+def count(recents=(0, 4), agents: int = 4, drafts: int = 2, models=("llama", "gemma")) -> dict:
     from triton.runtime.interpreter import InterpretedFunction
 
     from polykv.kernels import use_triton
@@ -95,6 +95,8 @@ def count(recents=(0, 4), agents: int = 4, drafts: int = 2) -> dict:
     InterpretedFunction.run = recorded
     try:
         for name, model in _models():
+            if name not in models:
+                continue
             for R in recents:
                 verify = drafts if R else 0
                 pool = SharedKVPool(model, None, k="q8_0", v="turbo3", progress=False, recent=R)

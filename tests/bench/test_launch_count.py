@@ -1,8 +1,10 @@
 """launch_count's op counter: what it counts as a device kernel."""
 
+import pytest
 import torch
 
 from polykv.bench.launch_count import _TorchOps
+from polykv.kernels import triton_available
 
 
 def test_a_reshape_that_copies_is_counted_one_that_views_is_not():
@@ -16,3 +18,20 @@ def test_a_reshape_that_copies_is_counted_one_that_views_is_not():
         strided.flatten(1, 2)
         strided.neg()
     assert ops.ops == {"reshape (copy)": 1, "contiguous": 1, "flatten (copy)": 1, "neg": 1}
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not triton_available(), reason="triton not installed")
+def test_a_verify_step_copies_the_query_rows_once_per_layer(monkeypatch):
+    """The counted structure of a tiny Llama's verify step (2 drafts, R = 4) against its plain step:
+    the verify columns' one remaining copy per layer is q's rows (the segment pass shares them, the
+    cascade stores its output token-major: kernels_notes v22); the same Triton launches."""
+    from polykv.bench.launch_count import count
+
+    monkeypatch.setenv("POLYKV_TRITON_ON_CPU", "1")  # the kernels, through the interpreter
+    monkeypatch.delenv("POLYKV_FORCE_REFERENCE", raising=False)
+    res = count(recents=(4,), models=("llama",))
+    plain, verify = res["llama_R4"], res["llama_R4_verify2"]
+    assert verify["torch_by_op"].get("reshape (copy)") == verify["layers"] == 2
+    assert "reshape (copy)" not in plain["torch_by_op"]
+    assert verify["triton_by_kernel"] == plain["triton_by_kernel"]
