@@ -18,10 +18,13 @@ def test_prefix_tile_rows_cpu(monkeypatch):
     monkeypatch.setenv("POLYKV_TRITON_ON_CPU", "1")  # the kernels, through the interpreter
     monkeypatch.delenv("POLYKV_FORCE_REFERENCE", raising=False)
     launched = []
-    from polykv.kernels import triton_decode as td
+    from polykv.kernels import dispatch
 
-    real = td.decode_parts
-    monkeypatch.setattr(td, "decode_parts", lambda *a, **kw: launched.append(kw.get("block_m_max")) or real(*a, **kw))
+    # the name the cascade's passes call (patching triton_decode's reached them only when this
+    # test happened to import triton_cascade first: order-dependent)
+    cascade = dispatch._k()[1]
+    real = cascade.decode_parts
+    monkeypatch.setattr(cascade, "decode_parts", lambda *a, **kw: launched.append(kw.get("block_m_max")) or real(*a, **kw))
     r = run(agents=2, ctxs=(512,), n_qs=(2,), configs=((16, 4, None), (32, 4, 128), (32, 4, 512)),
             device="cpu", log=lambda *_: None)
     # the 512-key split does not fit twice in a 512-row prefix: skipped
