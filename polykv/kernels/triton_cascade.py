@@ -26,7 +26,7 @@ from ..codecs import Packed
 from .gluon_prefix import WsPlan, ws_ok, ws_prefix_parts
 from .launch import Planned
 from .launch import launch as cached_launch
-from .triton_decode import PHASE_MAX_ROWS, _DecodePlan, combine_splits, decode_parts, token_major
+from .triton_decode import PHASE_MAX_ROWS, _DecodePlan, combine_outputs, combine_splits, decode_parts
 
 
 @triton.jit
@@ -105,7 +105,7 @@ def cascade_prepared(qp: torch.Tensor, n_q: int, prefix_k: Packed | None, prefix
     powers of two of at most prefix_max_split rows, whole or chunked, so chunks that start at
     multiples of prefix_max_split always qualify. Returns (out, lse): out [N, Hkv, M, D] float32 in
     V's storage domain and lse float32 [N, Hkv, M]; with out_dtype, true space in that dtype as
-    [N, Hq, n_q, D] (a token-major buffer's view where n_q > 1: `triton_decode.token_major`) and lse
+    [N, Hq, n_q, D] (a token-major buffer's view where n_q > 1: `triton_decode.combine_outputs`) and lse
     [N, Hq, n_q] (`triton_decode.combine_splits`). recent: a recent window's segment (qr, k, v, codec, lens,
     window, kv_start) — query rows [N, Hkv, M, D] for its q8_0 keys, Packed leading [N, Hkv, W],
     int32 [N] lengths (W) and kv_start — as a third split pass (causal, windowed) in true space,
@@ -179,7 +179,7 @@ class CascadePasses(NamedTuple):
     out_dtype: torch.dtype | None
     prefix_lens: torch.Tensor  # int32 [1]: the prefix's rows
     part_sizes: tuple  # float32 elements of each pass's (o, lse) partials, in one allocation
-    tokens: int  # > 1: the combine stores token-major (`triton_decode.token_major`)
+    tokens: int  # > 1: the combine stores token-major (`triton_decode.combine_outputs`)
 
     @classmethod
     def of(cls, prefix: WsPlan, suffix: "_DecodePlan | None", recent: "_DecodePlan | None",
@@ -228,12 +228,7 @@ class CascadePasses(NamedTuple):
                 o_t, l_t, _ = r(qr, rk, rv, rlens, kv_start=rstart, parts=parts[-2:])
         if fork:
             main.wait_stream(side)
-        N, Hkv, M, D = self.shape
-        if self.tokens > 1:
-            out_shape = (N, Hkv * M // self.tokens, self.tokens, D)
-        out_shape = out_shape or self.shape
-        out = token_major(out_shape, self.out_dtype or torch.float32, dev, self.tokens)
-        lse = torch.empty(out_shape[:-1], dtype=torch.float32, device=dev)
+        out, lse = combine_outputs(self.shape, self.out_dtype or torch.float32, dev, out_shape, self.tokens)
         self.combine(o_p, l_p, o_s, l_s, o_t, l_t, out, lse)
         return out, lse
 

@@ -879,13 +879,21 @@ def plan_split_len(S: int, groups: int, target: int, block_n: int, max_split: in
     return split_len
 
 
-def token_major(shape: tuple, dtype: torch.dtype, dev, tokens: int = 1) -> torch.Tensor:
-    """An empty [B, Hq, n_q, D] output (shape): contiguous, or with tokens > 1 (= n_q) the
-    [B, Hq, n_q, D] view of a [B, n_q, Hq, D] buffer, where the combine stores token-major."""
-    if tokens <= 1:
-        return torch.empty(shape, dtype=dtype, device=dev)
-    B, Hq, n_q, D = shape
-    return torch.empty((B, n_q, Hq, D), dtype=dtype, device=dev).permute(0, 2, 1, 3)
+def combine_outputs(shape: tuple, dtype: torch.dtype, dev, out_shape: tuple | None = None,
+                    tokens: int = 1) -> tuple[torch.Tensor, torch.Tensor]:
+    """The empty (out, lse) a combine of rows [B, Hkv, M, D] (shape) writes: out [*out_shape]
+    (default shape) in dtype and lse float32 [*out_shape[:-1]]; with tokens > 1 (the rows' n_q)
+    out is [B, Hq, tokens, D] as the view of a [B, tokens, Hq, D] buffer, where the combine stores
+    token-major (`_out_row`), and lse [B, Hq, tokens]."""
+    B, Hkv, M, D = shape
+    if tokens > 1:
+        out_shape = (B, Hkv * M // tokens, tokens, D)
+    out_shape = out_shape or shape
+    if tokens > 1:
+        out = torch.empty((B, tokens, out_shape[1], D), dtype=dtype, device=dev).permute(0, 2, 1, 3)
+    else:
+        out = torch.empty(out_shape, dtype=dtype, device=dev)
+    return out, torch.empty(out_shape[:-1], dtype=torch.float32, device=dev)
 
 
 def combine_splits(parts: SplitParts, shape: tuple, v_codec, out_dtype: torch.dtype | None = None,
@@ -902,22 +910,18 @@ def combine_splits(parts: SplitParts, shape: tuple, v_codec, out_dtype: torch.dt
     out_shape: out allocated as [*out_shape] and lse as [*out_shape[:-1]] instead, the same
     row-major rows (the caller's [B, Hq, n_q, D]: no reshape per call). tokens > 1 (the rows'
     n_q): out is that [B, Hq, tokens, D] as a view of a token-major [B, tokens, Hq, D] buffer
-    (`token_major`) — lse as with out_shape. rec: the launch's plan (None where not planned) is
+    (`combine_outputs`) — lse as with out_shape. rec: the launch's plan (None where not planned) is
     appended to it."""
     B, Hkv, M, D = shape
     dev = parts.o.device
     unrot = out_dtype is not None and getattr(v_codec, "rotated", False)
     if third is not None and out_dtype is None and getattr(v_codec, "rotated", False):
         raise ValueError("a true-space third pass needs true-space output (out_dtype)")
-    if tokens > 1:
-        out_shape = (B, Hkv * M // tokens, tokens, D)
-    out_shape = out_shape or shape
-    out = token_major(out_shape, out_dtype or torch.float32, dev, tokens)
-    lse = torch.empty(out_shape[:-1], dtype=torch.float32, device=dev)
+    out, lse = combine_outputs(shape, out_dtype or torch.float32, dev, out_shape, tokens)
     s, t = second or parts, third or parts  # never read without their passes
     plan_key = None
     if _plannable(dev):  # parts, out, lse: fresh allocations (aligned)
-        plan_key = ("combine", dev.index, tuple(shape), tuple(out_shape), parts.n_splits,
+        plan_key = ("combine", dev.index, tuple(shape), tuple(out.shape), parts.n_splits,
                     second and second.n_splits, third and third.n_splits, _codec_key(v_codec),
                     out_dtype, heads_major, tokens)
         planned = _PLANS.get(plan_key)
