@@ -401,6 +401,8 @@ def bench_spec_cmd(
     model: Optional[str] = typer.Option(None, "--model", help="Model (default: embedded SmolLM2-135M; a local HF "
                                         "dir works on a machine without the package)."),
     device: Optional[str] = typer.Option(None, "--device", help="cuda (default when available) or cpu."),
+    dtype: str = typer.Option("auto", "--dtype", help="Weights: auto (bfloat16 on CUDA, float32 on CPU), "
+                              "bfloat16, float16 or float32."),
     k: str = typer.Option("q8_0", "--k"),
     v: str = typer.Option("turbo3", "--v"),
     requests_per_agent: int = typer.Option(1, "--requests-per-agent", help="Prompts per agent slot: "
@@ -415,11 +417,11 @@ def bench_spec_cmd(
 
     import torch
 
-    from .bench.spec import TABLE_COLUMNS, bench_spec
+    from .bench.spec import TABLE_COLUMNS, bench_spec, model_dtype
     from .hf.loading import load_model
 
     dev = device or ("cuda" if torch.cuda.is_available() else "cpu")
-    m, tok = load_model(model, device=dev)
+    m, tok = load_model(model, device=dev, dtype=model_dtype(dtype, dev))
     result = bench_spec(m, tok, agents=tuple(int(a) for a in agents.split(",") if a),
                         workloads=tuple(w for w in workloads.split(",") if w),
                         methods=tuple(x for x in methods.split(",") if x), num_draft_tokens=num_draft_tokens,

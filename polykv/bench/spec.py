@@ -212,9 +212,24 @@ def _bench(model, tok, text, agents, workloads, methods, num_draft_tokens, max_n
                     + (f"; sync {row['tok_s_sync']:.1f} tok/s (x{row['speedup_sync']:.2f})" if sync else ""))
     return dict(rows=rows, mismatches=mismatches, device=str(dev), machine=_machine(dev),
                 model=getattr(model.config, "_name_or_path", "") or model.config.model_type,
+                dtype=str(next(model.parameters()).dtype).removeprefix("torch."),
                 doc_tokens=len(pool._docs[doc].ids), max_new_tokens=max_new_tokens, repeats=repeats,
                 k=k, v=v, adaptive=adaptive, prefill_s=prefill_s, torch_threads=torch.get_num_threads(),
                 date=time.strftime("%Y-%m-%d"))
+
+
+DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
+
+
+def model_dtype(name: str, device: str) -> torch.dtype:
+    """The weights' dtype for `name` ("auto": bfloat16 on CUDA, where a model serves in half
+    precision — in float32 every linear runs without tensor cores and a verify step's wider
+    matmuls weigh far more than they would in service —; float32 on the CPU)."""
+    if name == "auto":
+        return torch.bfloat16 if str(device).startswith("cuda") else torch.float32
+    if name not in DTYPES:
+        raise ValueError(f"unknown dtype {name!r}: auto, {', '.join(DTYPES)}")
+    return DTYPES[name]
 
 
 def _machine(dev) -> str:
@@ -250,6 +265,7 @@ def main(argv=None) -> None:
     ap.add_argument("--row-invariant", action="store_true")
     ap.add_argument("--model", default=None)
     ap.add_argument("--device", default=None)
+    ap.add_argument("--dtype", default="auto", help="auto (bfloat16 on CUDA, float32 on CPU), " + ", ".join(DTYPES))
     ap.add_argument("--k", default="q8_0")
     ap.add_argument("--v", default="turbo3")
     ap.add_argument("--sync", action="store_true", help="also time the synchronous speculative loop")
@@ -260,7 +276,7 @@ def main(argv=None) -> None:
     if a.device == "cuda" or (a.device is None and torch.cuda.is_available()):
         torch.backends.cuda.enable_cudnn_sdp(False)  # the baseline as the earlier GPU runs had it
     dev = a.device or ("cuda" if torch.cuda.is_available() else "cpu")
-    m, tok = load_model(a.model, device=dev)
+    m, tok = load_model(a.model, device=dev, dtype=model_dtype(a.dtype, dev))
     res = bench_spec(m, tok, agents=tuple(int(x) for x in a.agents.split(",") if x),
                      workloads=tuple(w for w in a.workloads.split(",") if w),
                      methods=tuple(x for x in a.methods.split(",") if x), num_draft_tokens=a.num_draft_tokens,

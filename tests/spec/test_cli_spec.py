@@ -23,7 +23,20 @@ def test_bench_spec_cpu_smoke_json(tiny_dir, tmp_path):  # noqa: F811
         assert set(r["step_ms_baseline"]) == {"0"} and r["step_ms_baseline"]["0"] > 0
         assert r["graph_captures"] == r["graph_captures_baseline"] == 0
     assert json.loads(out.read_text())["rows"] == rows
-    assert obj["row_invariant"] is True and obj["device"] == "cpu"
+    assert obj["row_invariant"] is True and obj["device"] == "cpu" and obj["dtype"] == "float32"
+
+
+def test_bench_spec_dtype_defaults_to_half_precision_on_cuda_only():
+    import pytest
+    import torch
+
+    from polykv.bench.spec import model_dtype
+
+    assert model_dtype("auto", "cuda") is torch.bfloat16 and model_dtype("auto", "cuda:1") is torch.bfloat16
+    assert model_dtype("auto", "cpu") is torch.float32
+    assert model_dtype("float16", "cpu") is torch.float16 and model_dtype("float32", "cuda") is torch.float32
+    with pytest.raises(ValueError, match="unknown dtype"):
+        model_dtype("int3", "cuda")
 
 
 def test_bench_spec_refuses_an_unknown_method(tiny_dir):  # noqa: F811
