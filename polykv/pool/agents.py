@@ -56,8 +56,8 @@ Semantics
   R suffix rows per layer are also held at q8_0 and every query reads its own window (p - R, p]
   from there. `expect_drafts(k)` (and `feed_drafts` beyond it) gives the windows k spare rows, so a
   rollback of rejected drafts keeps them exact; a removed agent's window rows are copied with the
-  slot move. On CUDA such a batch runs its steps eagerly (no captured graphs yet:
-  `decode_graph.graphs_supported`).
+  slot move. Such steps are captured on CUDA like any other (`decode_graph.graphs_supported`;
+  tests/pool/test_ring_static.py).
 * A batch is not thread-safe by itself; use one batch per thread (the pool is thread-safe).
 """
 
