@@ -728,10 +728,14 @@ class SharedKVPool:
             outs: dict[int, list[int]] = {}
             live: set[int] = set()
 
+            def joinable() -> bool:
+                """A prompt waits and the batch has a free slot."""
+                return len(aids) < len(suffixes) and len(batch) < slots and max_new_tokens > 0
+
             def join() -> bool:
                 """Waiting prompts join the batch while it has fewer than `slots` agents."""
                 joined = False
-                while len(aids) < len(suffixes) and len(batch) < slots and max_new_tokens > 0:
+                while joinable():
                     i = len(aids)
                     a = batch.add(suffixes[i])
                     if sampled:  # prompt i draws from seed + i, whenever it joins
@@ -817,7 +821,7 @@ class SharedKVPool:
                     # this step and the next are plain (the planner backed off or measures T(0)):
                     # run them, and the plain steps it decides after them, pipelined
                     n, joined, ready = self._spec_plain_stretch(batch, spec, feed, outs, live, max_new_tokens,
-                                                                eos, stops, step_s, join, t_read)
+                                                                eos, stops, step_s, join, joinable, t_read)
                     steps += n
                     # the next step's time starts at the stretch's last read: its drafting is billed to it
                     t_read, captured = time.perf_counter(), batch.graph_captures
@@ -860,14 +864,17 @@ class SharedKVPool:
             stops and find_stop(self.tok.decode(out, skip_special_tokens=True), stops) >= 0)
 
     def _spec_plain_stretch(self, batch, spec, feed: dict, outs: dict, live: set, max_new_tokens: int, eos,
-                            stops: list, step_s: list, join, t_read: float) -> tuple[int, bool, list[int]]:
+                            stops: list, step_s: list, join, joinable, t_read: float) -> tuple[int, bool, list[int]]:
         """Plain steps of the speculative loop, pipelined as `_decode_pipelined` runs them: the
         caller fed nothing yet and `spec.plain_next` approved the step after this one. Feeds
         `feed`, lets waiting prompts take free slots (`join`), launches this step and the next,
         then, each time it reads a step (the next one already running): the tokens' rules and
-        `spec.record`, agents done leave, waiting prompts join (no step is launched after such a
-        join: the prompts' prefill is the caller's next step), and the step after the one in
-        flight is launched while `spec.plain_next` approves it. Each step's period (from the
+        `spec.record`, agents done leave, and the step after the one in flight is launched while
+        `spec.plain_next` approves it and no waiting prompt has a free slot (`joinable`). Such
+        prompts join once the last step in flight is read (their prefill is the caller's next step):
+        had they joined before, an agent leaving on that read would move a joiner's slot into its
+        own, the decoders of the caller's step would not be slots 0..n-1, and that step would run
+        eagerly instead of replaying its captured graph. Each step's period (from the
         previous read, t_read for the first) is a plain step time of the planner unless that step,
         or the one launched while it was waited for, captured a graph or prefilled prompts (as
         `_decode_pipelined`). Returns (steps run, whether prompts joined at the end, the agents
@@ -883,7 +890,7 @@ class SharedKVPool:
 
         ahead = launch(join())
         nxt = launch()
-        reads, joined, ready = 0, False, []
+        reads, ready = 0, []
         while ahead is not None:
             spec.ahead()  # the outputs tree's adds while the device runs
             chosen = ahead.result()
@@ -913,10 +920,12 @@ class SharedKVPool:
                 break
             for a in [a for a in batch.agents() if len(outs[a]) + 1 >= max_new_tokens]:
                 batch.remove(a)  # its token in flight is its last
-            joined = join()
+            if joinable():
+                continue  # read the step in flight; the prompts join after it
             limits = {a: max_new_tokens - len(outs[a]) - 2 for a in batch.agents() if a in live and a in ahead.agents}
-            if not joined and limits and spec.plain_next(limits, len(batch)):
+            if limits and spec.plain_next(limits, len(batch)):
                 nxt = launch()
+        joined = join()
         return len(clean), joined, [a for a in ready if a in batch]
 
     def _decode_pipelined(self, batch, outs: dict, live: set, max_new_tokens: int, eos, stops: list,

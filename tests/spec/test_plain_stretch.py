@@ -65,3 +65,44 @@ def test_stretches_feed_the_drafters(setup, monkeypatch):
     got = sorted(contexts.values())
     want = sorted(list(s) + list(a) for s, a in zip(lg["suffix_ids"], lg["answer_ids"]))
     assert len(got) == len(PROMPTS) and got == want
+
+
+
+def test_prompts_joining_a_stretch_leave_the_decoders_in_slots_0_to_n(setup, static_steps, monkeypatch):
+    """Continuous batching with stretches: a prompt that joins while a stretch's step is in flight
+    waits for that step's read, so an agent leaving on it cannot move the joiner's slot into its
+    own — every decode and verify forward is slots 0..n-1, the static step (a CUDA graph's replay;
+    any other slot set runs eagerly, several times slower on the GPU), and the answers stay
+    plain's. An answer ends at a length set by its first token (as a model's eos would, at different
+    steps for different agents; the same rule on both sides)."""
+    from polykv.pool import SharedKVPool
+    from polykv.pool.agents import AgentBatch
+
+    model, pool, doc = setup
+    forward, took = AgentBatch._forward_once, SharedKVPool._took
+    groups = []  # per decode / verify forward: whether its agents held slots 0..n-1
+
+    def spy(self, group, keep):
+        if keep or max(len(a.pending) for a in group) == 1:
+            groups.append(sorted(a.slot for a in group) == list(range(len(group))))
+        return forward(self, group, keep)
+
+    def ends(self, out, t, *rules):
+        return took(self, out, t, *rules) or len(out) >= 4 + out[0] % 16
+
+    monkeypatch.setattr(AgentBatch, "_forward_once", spy)
+    monkeypatch.setattr(SharedKVPool, "_took", ends)
+    # a stop string that never occurs: every token goes through `_took` on both sides. No one-token
+    # prompt: its prefill is a one-token forward, grouped with the decoders, and alone beside other
+    # joiners' prefills it may hold any slot (an eager step)
+    kw = dict(max_new_tokens=30, max_batch=5, stop=["\x00"])
+    prompts = [p for p in PROMPTS if len(p) > 1] * 3
+    with row_invariant(model):
+        pool.generate(doc, prompts, **kw)
+        plain = pool.last_generate["answer_ids"]
+        groups.clear()
+        pool.generate(doc, prompts, speculative=COSTLY, **kw)
+    lg = pool.last_generate
+    assert lg["answer_ids"] == plain and lg["speculative"]["pipelined_steps"] > 0
+    assert len({len(a) for a in plain}) >= 3  # the agents leave at different steps
+    assert groups and all(groups), f"{groups.count(False)} of {len(groups)} forwards not in slots 0..n-1"
