@@ -188,6 +188,11 @@ def _bench(model, tok, text, agents, workloads, methods, num_draft_tokens, max_n
                            # where a verify step's time goes (the last timed run of each side): step
                            # ms by draft width (0 = plain decode) and the batch's graph captures
                            step_ms=sp["step_ms"]["by_width"], step_ms_baseline=base["step_ms"]["by_width"],
+                           # the first step (every first prompt's prefill) and the steps that prefilled
+                           # prompts joining later (continuous batching): count and total ms
+                           first_ms=sp["step_ms"]["first"], first_ms_baseline=base["step_ms"]["first"],
+                           join_steps=sp["step_ms"]["joins"], join_steps_baseline=base["step_ms"]["joins"],
+                           join_ms=sp["step_ms"]["joins_ms"], join_ms_baseline=base["step_ms"]["joins_ms"],
                            graph_captures=caps[1], graph_captures_baseline=caps[0],
                            graph_captures_warmup=warm[1], graph_captures_warmup_baseline=warm[0],
                            widths=st.get("widths", {}), full_accepts=st.get("full_accepts", 0),

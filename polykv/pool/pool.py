@@ -749,7 +749,7 @@ class SharedKVPool:
                 return joined
 
             join()
-            step_s: list[tuple[int, float]] = []  # (widest draft count, seconds) per step
+            step_s: list[tuple[int, float, bool]] = []  # (widest draft count, seconds, prefilled joiners) per step
             if pipelined and spec is None and live:  # empties `live`: the loop below is the synchronous one
                 steps = self._decode_pipelined(batch, outs, live, max_new_tokens, eos, stops, times, step_s,
                                                join)
@@ -772,7 +772,7 @@ class SharedKVPool:
                 else:
                     chosen = batch.step_verify()
                 now = time.perf_counter()  # each step ends in a copy to the host
-                step_s.append((width, now - t_read))
+                step_s.append((width, now - t_read, joined))
                 # timed: decode steps (the first step prefills the prompts) that captured no graph
                 timed = steps > 0 and batch.graph_captures == captured and not joined
                 t_read, captured = now, batch.graph_captures
@@ -881,11 +881,13 @@ class SharedKVPool:
         whose last read token is pending for the caller's next step — drafts may follow it)."""
         batch.feed(feed)
         clean: list[bool] = []  # per launched step: it captured nothing and prefilled no prompt
+        prefilled: list[bool] = []  # per launched step: it prefilled joining prompts
 
         def launch(prefill: bool = False):
             before = batch.graph_captures
             pending = batch.step_tokens_ahead()
             clean.append(batch.graph_captures == before and not prefill)
+            prefilled.append(prefill)
             return pending
 
         ahead = launch(join())
@@ -895,7 +897,8 @@ class SharedKVPool:
             spec.ahead()  # the outputs tree's adds while the device runs
             chosen = ahead.result()
             now = time.perf_counter()
-            step_s.append((0, now - t_read))
+            # the period holds this step's wait and the next one's launch: a prefill in either
+            step_s.append((0, now - t_read, prefilled[reads] or (nxt is not None and prefilled[reads + 1])))
             if clean[reads] and (nxt is None or clean[reads + 1]):
                 spec.observe_step(0, now - t_read, agents=len(chosen))
             t_read = now
@@ -960,9 +963,9 @@ class SharedKVPool:
                 prefills.append(joined)
             chosen = ahead.result()
             now = time.perf_counter()
-            step_s.append((0, now - t_read))
+            i = len(step_s)  # the step just read; 0 prefilled the prompts
+            step_s.append((0, now - t_read, i > 0 and (prefills[i] or (nxt is not None and prefills[i + 1]))))
             t_read = now
-            i = len(step_s) - 1  # the step just read; 0 prefilled the prompts
             if (i > 0 and not captured[i] and not prefills[i]
                     and not (nxt is not None and (captured[i + 1] or prefills[i + 1]))):
                 times.observe(len(chosen), 0, step_s[-1][1])
@@ -1044,12 +1047,17 @@ class SharedKVPool:
         return pool
 
 
-def _step_ms(step_s: list[tuple[int, float]]) -> dict:
-    """`generate`'s step times: the first step (the prompts' prefill) and the median of the later
-    ones by width (the widest draft count verified in the step; 0 = plain decode), in ms."""
+def _step_ms(step_s: list[tuple[int, float, bool]]) -> dict:
+    """`generate`'s step times from (width, seconds, prefilled joining prompts) per step: the first
+    step (the prompts' prefill), the median of the later decode steps by width (the widest draft
+    count verified in the step; 0 = plain decode) and their counts, and the later steps whose
+    period held the prefill of prompts that joined (continuous batching): their count and total
+    (`joins`, `joins_ms`), in ms."""
     by: dict[int, list[float]] = {}
-    for w, t in step_s[1:]:
-        by.setdefault(w, []).append(t)
+    joins = []
+    for w, t, prefill in step_s[1:]:
+        (joins if prefill else by.setdefault(w, [])).append(t)
     return dict(first=step_s[0][1] * 1e3 if step_s else 0.0,
                 by_width={w: statistics.median(ts) * 1e3 for w, ts in sorted(by.items())},
-                count_by_width={w: len(ts) for w, ts in sorted(by.items())})
+                count_by_width={w: len(ts) for w, ts in sorted(by.items())},
+                joins=len(joins), joins_ms=sum(joins) * 1e3)

@@ -88,3 +88,6 @@ def test_bench_spec_requests_per_agent_runs_more_prompts_than_agents(tiny_dir, m
     assert r["agents"] == 2 and r["requests"] == 6 and obj["requests_per_agent"] == 3
     assert r["identical"] is True and r["new_tokens"] > 0 and finite(r["speedup"])
     assert seen and set(seen) == {(6, 2)}  # warm-ups and timed runs, both sides
+    # the 4 prompts that joined later were prefilled in steps counted apart (both sides)
+    assert r["join_steps"] > 0 and r["join_steps_baseline"] > 0 and r["join_ms_baseline"] > 0
+    assert r["first_ms"] > 0 and r["first_ms_baseline"] > 0

@@ -50,11 +50,16 @@ def test_answers_do_not_depend_on_max_batch(setup, widths, request, case, steps)
     kw = dict(CASES[case], max_new_tokens=24, stop=["q"])
     with row_invariant(model):
         texts, ids = _answers(pool, doc, **kw)
-        assert max(widths) == len(PROMPTS)
+        assert max(widths) == len(PROMPTS) and pool.last_generate["step_ms"]["joins"] == 0
         widths.clear()
         texts_2, ids_2 = _answers(pool, doc, max_batch=3, **kw)
     assert max(widths) == 3 and len(widths) == len(PROMPTS)  # every prompt joined, never more than 3 at once
-    assert pool.last_generate["max_batch"] == 3
+    lg = pool.last_generate
+    assert lg["max_batch"] == 3
+    # the steps whose period held a joining prompt's prefill are counted apart from the decode steps
+    ms = lg["step_ms"]
+    assert 0 < ms["joins"] <= 2 * (len(PROMPTS) - 3) and ms["joins_ms"] > 0
+    assert sum(ms["count_by_width"].values()) + ms["joins"] == lg["steps"] - 1
     assert ids_2 == ids and texts_2 == texts
     assert sum(map(len, ids)) > 0
 
