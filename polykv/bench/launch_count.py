@@ -8,7 +8,8 @@ step of a pool runs — the structure of a captured step, without a GPU (the GPU
 Tiny random Llama (2 full-attention layers) and Gemma-3 (2 sliding + 1 full), head_dim 64, K q8_0 /
 V turbo3, 4 agents over a 40-token document, recent windows R = 0 and 4; the fourth step of the
 batch is counted, and with R = 4 also a verify step of 2 drafts per agent (issue I; case
-"<model>_R4_verify2"). torch ops: aten ops other than views and allocations, outside the Triton
+"<model>_R4_verify2"); then, per R, the prefill of a 20-token prompt joining a running batch of 4
+(continuous batching: an eager forward, not a captured step; case "<model>_R<R>_join20"). torch ops: aten ops other than views and allocations, outside the Triton
 launches (the interpreter's own tensor traffic is not counted; a reshape that copies counts).
 Prints one line per case and writes the JSON to --out.
 """
@@ -65,7 +66,7 @@ def _models():
         layer_types=["sliding_attention", "sliding_attention", "full_attention"], **common)).eval()
 
 
-def count(recents=(0, 4), agents: int = 4, drafts: int = 2, models=("llama", "gemma")) -> dict:
+def count(recents=(0, 4), agents: int = 4, drafts: int = 2, models=("llama", "gemma"), join: int = 20) -> dict:
     from triton.runtime.interpreter import InterpretedFunction
 
     from polykv.kernels import use_triton
@@ -123,6 +124,17 @@ def count(recents=(0, 4), agents: int = 4, drafts: int = 2, models=("llama", "ge
                         with _TorchOps(inside) as ops:
                             b.launch_verify().result()
                         record(f"{name}_R{R}_verify{verify}", model.config.num_hidden_layers, ops)
+                if join:  # a prompt joining a running batch: its prefill, an eager forward of its tokens
+                    with torch.inference_mode(), pool.open_batch(doc, capacity=agents + 1, seq_capacity=64,
+                                                                 graphs=False) as b:
+                        for n in (5, 1, 11, 3)[:agents]:
+                            b.add(torch.randint(3, 120, (n,), generator=g).tolist())
+                        b.step_tokens()  # nothing fed after it: the next step is the joiner's alone
+                        b.add(torch.randint(3, 120, (join,), generator=g).tolist())
+                        launches.clear()
+                        with _TorchOps(inside) as ops:
+                            b.step_tokens()
+                        record(f"{name}_R{R}_join{join}", model.config.num_hidden_layers, ops)
                 pool.close()
     finally:
         InterpretedFunction.run = run

@@ -35,3 +35,6 @@ def test_a_verify_step_copies_the_query_rows_once_per_layer(monkeypatch):
     assert verify["torch_by_op"].get("reshape (copy)") == verify["layers"] == 2
     assert "reshape (copy)" not in plain["torch_by_op"]
     assert verify["triton_by_kernel"] == plain["triton_by_kernel"]
+    # a joining prompt's prefill (eager): its K/V rows are written through the quantize kernel
+    joined = res["llama_R4_join20"]
+    assert joined["triton_by_kernel"].get("_quantize_kernel", 0) >= 2 * joined["layers"]
