@@ -70,6 +70,7 @@ from dataclasses import dataclass, field
 import torch
 
 from ..generation import SamplingRows, greedy_ids
+from .decode_graph import PREFILL_MAX
 
 _slot, _drafts = operator.attrgetter("slot"), operator.attrgetter("drafts")
 
@@ -470,6 +471,9 @@ class AgentBatch:
         if self._verifying is not None:
             self._check_idle()
         todo = [a for a in (self._agents.values() if agents is None else agents) if a.pending]
+        widest = max((len(a.pending) for a in todo), default=0)
+        if self._graphs is not None and 1 < widest <= PREFILL_MAX:
+            return [self._prefill(todo)]
         done = []
         for group in ([a for a in todo if len(a.pending) == 1], [a for a in todo if len(a.pending) > 1]):
             if group:
@@ -481,6 +485,28 @@ class AgentBatch:
                 done.append((group, logits, greedy))
         self.peak_bytes = max(self.peak_bytes, self.cache.nbytes())
         return done
+
+    def _prefill(self, todo: list[_Agent]) -> tuple[list[_Agent], torch.Tensor, torch.Tensor]:
+        """`_run_pending`'s forward on the captured prefill step (`DecodeGraphs.run_prefill`): the
+        agents of `todo` feed their pending tokens, every other agent of the batch waits (padding);
+        one forward where the eager path runs two (decoders, then the several-token feeds)."""
+        columns: list[list[int]] = [[] for _ in self._slots]
+        for a in todo:
+            columns[a.slot] = a.pending
+        try:
+            logits, greedy = self._graphs.run_prefill(columns, self._fb)
+        except BaseException:
+            self._failed = True  # as `_forward`: storage and graphs of a failed forward are not handed on
+            raise
+        group = sorted(todo, key=_slot)
+        if len(group) < len(columns):  # only the agents that fed: their rows
+            rows = torch.tensor([a.slot for a in group], dtype=torch.long, device=logits.device)
+            logits, greedy = logits[rows], greedy[rows]
+        for a in group:
+            a.tokens.extend(a.pending)
+            a.pending = []
+        self.peak_bytes = max(self.peak_bytes, self.cache.nbytes())
+        return group, logits, greedy
 
     def _forward(self, group: list[_Agent], keep: int = 0) -> tuple[torch.Tensor, torch.Tensor | None]:
         """One forward of `group` (left-padded). keep = 0: logits [G, vocab] of each agent's last

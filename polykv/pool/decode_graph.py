@@ -28,6 +28,14 @@ per agent and column.
 With speculation (`expect_columns`: up to k+1 columns) the batch's bucket captures every width
 1..k+1 on its first step, so no later step of the run captures.
 
+Prefill steps (`run_prefill`): a step where some agent feeds several tokens — the prompts of a new
+batch, a prompt joining a running one (continuous batching), a multi-token feed — runs every agent
+of slots 0..n-1 as left-padded columns of one captured step, n_q = the widest agent's tokens rounded
+up to a power of two (8..PREFILL_MAX: a few captures per bucket), keeping only each agent's last
+column's logits; an agent with nothing to feed gets padding columns only (scratch writes, its length
+unchanged). Eagerly such a step was one forward per layer op — ~100 launches per layer, host-bound on
+a GPU: a join cost about as much as ten decode steps (BENCHMARKS §8.13). Longer feeds stay eager.
+
 Which bucket runs n agents: bucket(n) when captured; while agents finish within a batch (n below the
 batch's peak) a larger bucket already captured for that width is replayed instead of capturing a
 smaller one for the last few steps; a batch that starts with n agents gets bucket(n) (captured once:
@@ -83,6 +91,17 @@ def bucket(n: int) -> int:
     return 1 << max(0, n - 1).bit_length()
 
 
+# the most columns a captured prefill step takes (its widest agent's tokens); a longer prompt is
+# prefilled eagerly
+PREFILL_MAX = 128
+
+
+def prefill_columns(width: int) -> int:
+    """Columns of the captured prefill step for a widest agent of `width` tokens: the next power of
+    two, at least 8 (a few captures per bucket cover every prompt length up to PREFILL_MAX)."""
+    return max(8, bucket(width))
+
+
 @dataclass
 class _Captured:
     graph: torch.cuda.CUDAGraph | None  # None: the static step runs eagerly (`capture=False`)
@@ -90,8 +109,9 @@ class _Captured:
     hosts: list[torch.Tensor]  # two pinned int64 [3, B, n_q], used in turn: tokens, flat write
     # rows, position ids
     inp: torch.Tensor  # int64 [3, B, n_q] on the device: the last uploaded host buffer
-    out: dict  # n_q = 1: "logits" float32 [B, vocab], "greedy" int64 [B]; n_q > 1: "logits"
-    # float32 [B, n_q, vocab], "greedy" int64 [B, n_q]. Written by each replay.
+    out: dict  # n_q = 1 or a prefill step: "logits" float32 [B, vocab], "greedy" int64 [B] (the
+    # last column); n_q > 1: "logits" float32 [B, n_q, vocab], "greedy" int64 [B, n_q]. Written by
+    # each replay.
     uploaded: list = field(default_factory=lambda: [None, None])  # CUDA event after each buffer's copy
     turn: int = 0
 
@@ -120,6 +140,7 @@ class DecodeGraphs:
         self.model, self.cache, self.pad_id, self.warmup = model, cache, int(pad_id), warmup
         self.capture = capture  # False: run the static step eagerly (tests on CPU)
         self._graphs: dict[tuple[int, int], _Captured] = {}  # (bucket, n_q) -> step
+        self._prefills: dict[tuple[int, int], _Captured] = {}  # (bucket, n_q) -> step keeping the last column
         self._version = cache.storage_version
         self._mempool = None
         self.captures = 0  # steps built since the last `reset` (captured graphs, or static eager steps)
@@ -144,8 +165,12 @@ class DecodeGraphs:
         self.columns = max(self.columns, int(n_q))
 
     def widths(self) -> list[tuple[int, int]]:
-        """(bucket, n_q) of every captured step, sorted."""
+        """(bucket, n_q) of every captured decode / verify step, sorted."""
         return sorted(self._graphs)
+
+    def prefill_widths(self) -> list[tuple[int, int]]:
+        """(bucket, n_q) of every captured prefill step (`run_prefill`), sorted."""
+        return sorted(self._prefills)
 
     def run(self, tokens: list[int], feedback: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """One decode step of the agents in slots 0..len(tokens)-1, token tokens[g] for slot g
@@ -172,15 +197,28 @@ class DecodeGraphs:
         logits = out["logits"][: len(columns), n_q - keep:]
         return (logits, out["greedy"][: len(columns), n_q - keep:]) if greedy else logits
 
-    def _replay(self, columns: list[list[int]], n_q: int, feedback: torch.Tensor | None = None) -> dict:
+    def run_prefill(self, columns: list[list[int]], feedback: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """One forward of the agents in slots 0..len(columns)-1 where some feed several tokens (a
+        prompt joining the batch, a multi-token feed): agent g feeds columns[g] (none: it only
+        waits; negative tokens: feedback[g], as in `run`), left-padded to `prefill_columns` of the
+        widest (at most PREFILL_MAX). Returns (logits float32 [n, vocab], greedy int64 [n]) of each
+        agent's last column — device views valid until the next replay; an agent without columns
+        gets a row of padding. Advances the cache's host lengths by each agent's token count."""
+        n_q = prefill_columns(max(map(len, columns)))
+        out = self._replay(columns, n_q, feedback, last=True)
+        return out["logits"][: len(columns)], out["greedy"][: len(columns)]
+
+    def _replay(self, columns: list[list[int]], n_q: int, feedback: torch.Tensor | None = None,
+                last: bool = False) -> dict:
         cache = self.cache
         n = len(columns)
         self._peak = max(self._peak, n)
         B = bucket(n)
-        if (B, n_q) not in self._graphs and B < bucket(self._peak):
+        graphs = self._prefills if last else self._graphs
+        if (B, n_q) not in graphs and B < bucket(self._peak):
             # agents finished within this batch: a larger bucket captured for this width serves the
             # last steps (one capture saved); a batch that starts this small captures its own
-            B = min((b for b, w in self._graphs if w == n_q and B < b <= bucket(self._peak)), default=B)
+            B = min((b for b, w in graphs if w == n_q and B < b <= bucket(self._peak)), default=B)
         if B > cache.batch_capacity:
             cache.reserve(B)
         # host bookkeeping: NumPy over [n, n_q] (views of the host lengths and page table), no
@@ -197,18 +235,19 @@ class DecodeGraphs:
         cache.grow_storage()  # the pools follow the pages ensure added
         if cache.storage_version != self._version:
             self._graphs.clear()
+            self._prefills.clear()
             # the dropped graphs' private pool is released with them; capturing into its id again
             # trips the allocator (H200: "use_count > 0" assert): new captures take a new pool
             self._mempool = None
             self._version = cache.storage_version
         pages.device_table()  # refreshed in place before the replay reads it
-        if self.columns > 1 and B == bucket(self._peak):
+        if self.columns > 1 and B == bucket(self._peak) and not last:
             # speculation: every width of the batch's bucket before its first replay (a smaller
             # bucket replays what it has, else this one: no capture while agents finish)
             for w in range(1, self.columns + 1):
                 if (B, w) not in self._graphs:
                     self._capture(B, w)
-        cap = self._graphs.get((B, n_q)) or self._capture(B, n_q)
+        cap = graphs.get((B, n_q)) or self._capture(B, n_q, last)
         h = cap.staging()
         hn = h.numpy()  # pinned host memory on CUDA, viewed
         pad = self.pad_id
@@ -256,7 +295,9 @@ class DecodeGraphs:
             hn[1, n:] = scratch
             hn[2, n:] = self.cache.doc_len - 1
 
-    def _capture(self, B: int, n_q: int) -> _Captured:
+    def _capture(self, B: int, n_q: int, last: bool = False) -> _Captured:
+        """Build the step of B agents x n_q columns (captured, or eager with capture=False); last:
+        it keeps only the last column's logits (`run_prefill`), else every column's (n_q > 1)."""
         cache, dev = self.cache, self.cache.device
         hosts = [torch.empty(3, B, n_q, dtype=torch.long, pin_memory=dev.type == "cuda") for _ in range(2)]
         for host in hosts:
@@ -275,12 +316,12 @@ class DecodeGraphs:
                 # codec table cached under inference_mode elsewhere cannot enter a tracked graph
                 with torch.no_grad():
                     res = self.model(input_ids=ids, position_ids=pos, attention_mask=mask,
-                                     past_key_values=cache, use_cache=True, logits_to_keep=n_q)
+                                     past_key_values=cache, use_cache=True, logits_to_keep=1 if last else n_q)
             finally:
                 cache._group = None
             # greedy ids of every column inside the step (a verify step's too: no gather of the
             # kept columns and no index upload per step)
-            out["logits"] = res.logits[:, -1].float() if n_q == 1 else res.logits.float()
+            out["logits"] = res.logits[:, -1].float() if n_q == 1 or last else res.logits.float()
             out["greedy"] = greedy_ids(out["logits"])
 
         graph = None
@@ -291,7 +332,7 @@ class DecodeGraphs:
         else:
             step()  # allocates the outputs the later calls overwrite
         cap = _Captured(graph, step, hosts, inp, out)
-        self._graphs[(B, n_q)] = cap
+        (self._prefills if last else self._graphs)[(B, n_q)] = cap
         self.captures += 1
         self.total_captures += 1
         return cap

@@ -32,7 +32,16 @@ def _run(model, tok, k, v, static: bool, feeds, sufs, **pool_kw):
             assert b._graphs.captures > 0  # the static step really ran
         rows = [t.clone() for t in b.cache.tensors()]
         lens = b.cache.lens.clone()
-    return logits, rows, lens
+        pages = [list(p) for p in b.cache.pages.owned], b.cache.pages.page_size
+    return logits, rows, lens, pages
+
+
+def _slot_rows(x: torch.Tensor, pages: tuple, slot: int, n: int) -> torch.Tensor:
+    """The first n suffix rows of `slot` in storage tensor x [.., rows, ..] (dim 1), page by page:
+    the two runs may take their pages from the free list in another order."""
+    owned, size = pages
+    idx = torch.tensor([owned[slot][r // size] * size + r % size for r in range(n)], dtype=torch.long)
+    return x[:, idx]
 
 
 @pytest.mark.parametrize("k,v", [("q8_0", "turbo3"), ("f16", "f16"), ("turbo4", "q4_0")])
@@ -41,8 +50,8 @@ def test_static_step_equals_eager(tiny, k, v):
     sufs = [[5, 6, 7], [8, 9], [10, 11, 12, 13], [14]]  # 4 agents -> bucket 4; 3 after removal
     feeds = [[20, 21, 22, 23], [24, 25, 26, 27], [28, 29, 30, 31], [32, 33, 34, 35],
              [36, 37, 38, 39]]  # 5 decode steps: suffixes outgrow seq_capacity 4 (storage grows)
-    a_logits, a_rows, a_lens = _run(model, tok, k, v, False, feeds, sufs)
-    b_logits, b_rows, b_lens = _run(model, tok, k, v, True, feeds, sufs)
+    a_logits, a_rows, a_lens, a_pages = _run(model, tok, k, v, False, feeds, sufs)
+    b_logits, b_rows, b_lens, b_pages = _run(model, tok, k, v, True, feeds, sufs)
     assert torch.equal(a_lens, b_lens)
     for x, y in zip(a_logits, b_logits):
         torch.testing.assert_close(x, y, rtol=0, atol=1e-5)
@@ -50,10 +59,9 @@ def test_static_step_equals_eager(tiny, k, v):
     # themselves: the static step's GEMMs run at the bucket's row count, and CPU GEMM kernels (AVX-512
     # oneDNN) may round the last bit differently per row count — one fp16 ulp; a quantized codec
     # absorbs that and must match bit for bit
-    S = (a_rows[0].shape[1] - 1) // a_lens.numel()
     for x, y in zip(a_rows, b_rows):
         for slot, n in enumerate(a_lens.tolist()):
-            xs, ys = x[:, slot * S: slot * S + n], y[:, slot * S: slot * S + n]
+            xs, ys = _slot_rows(x, a_pages, slot, n), _slot_rows(y, b_pages, slot, n)
             if k == "f16" and xs.is_floating_point():
                 torch.testing.assert_close(xs, ys, rtol=1e-3, atol=2e-7)
             else:
@@ -336,7 +344,7 @@ def test_speculation_captures_every_width_before_the_hot_loop(tiny, static_graph
     after the first captures (a width first chosen mid-run used to capture there: 1.4 s inside a
     timed H200 run), and the timed steps of the run skip none. Outputs unchanged."""
     model, tok = tiny
-    replays, at = [0], []
+    replays, at, prefills = [0], [], []
     run = DecodeGraphs._replay
     cap = DecodeGraphs._capture
 
@@ -344,9 +352,9 @@ def test_speculation_captures_every_width_before_the_hot_loop(tiny, static_graph
         replays[0] += 1
         return run(self, *a, **kw)
 
-    def record_capture(self, B, n_q):
-        at.append((replays[0], B, n_q))
-        return cap(self, B, n_q)
+    def record_capture(self, B, n_q, last=False):
+        (prefills if last else at).append((replays[0], B, n_q))
+        return cap(self, B, n_q, last)
 
     monkeypatch.setattr(DecodeGraphs, "_replay", count_replay)
     monkeypatch.setattr(DecodeGraphs, "_capture", record_capture)
@@ -357,14 +365,15 @@ def test_speculation_captures_every_width_before_the_hot_loop(tiny, static_graph
     pool.generate(doc, prompts, max_new_tokens=9, speculative=spec)
     k = spec["num_draft_tokens"]
     assert sorted((B, w) for _, B, w in at) == [(8, w) for w in range(1, k + 2)]
-    assert {r for r, _, _ in at} == {1}  # all inside the first replay of the batch
-    assert pool.last_generate["graph_captures"] == k + 1
+    # all inside the first decode replay of the batch, after the prompts' prefill step (replay 1)
+    assert prefills == [(1, 8, 8)] and {r for r, _, _ in at} == {2}
+    assert pool.last_generate["graph_captures"] == k + 2
     first = pool.last_generate["answer_ids"]
     at.clear()
     pool.generate(doc, prompts, max_new_tokens=9, speculative=spec)
-    assert at == [] and pool.last_generate["answer_ids"] == first
+    assert at == [] and len(prefills) == 1 and pool.last_generate["answer_ids"] == first
     pool.generate(doc, prompts, max_new_tokens=9)  # plain: nothing more to capture, same tokens
-    assert at == [] and pool.last_generate["answer_ids"] == first
+    assert at == [] and len(prefills) == 1 and pool.last_generate["answer_ids"] == first
 
 
 def test_finishing_agents_never_capture_a_smaller_bucket(tiny, static_graphs):
@@ -421,8 +430,45 @@ def test_static_step_equals_eager_with_sliding_window_layers():
     sufs = [[5, 6, 7], [8, 9], [10, 11, 12, 13], [14]]
     feeds = [[20, 21, 22, 23], [24, 25, 26, 27], [28, 29, 30, 31], [32, 33, 34, 35],
              [36, 37, 38, 39], [40, 41, 42, 43]]  # past the window: the document drops out of it
-    a_logits, a_rows, a_lens = _run(model, tok, "q8_0", "turbo3", False, feeds, sufs)
-    b_logits, b_rows, b_lens = _run(model, tok, "q8_0", "turbo3", True, feeds, sufs)
+    a_logits, a_rows, a_lens, _ = _run(model, tok, "q8_0", "turbo3", False, feeds, sufs)
+    b_logits, b_rows, b_lens, _ = _run(model, tok, "q8_0", "turbo3", True, feeds, sufs)
     assert torch.equal(a_lens, b_lens)
     for x, y in zip(a_logits, b_logits):
         torch.testing.assert_close(x, y, rtol=0, atol=1e-5)
+
+
+@pytest.mark.parametrize("spec", [None, SPEC])
+def test_prompts_are_prefilled_through_the_static_step(tiny, static_graphs, monkeypatch, spec):
+    """With captured steps, the prompts of a batch and the prompts joining it later (continuous
+    batching) are prefilled by the captured prefill step (`run_prefill`: columns rounded up to 8,
+    16, ...; waiting agents padded), never by an eager forward (`AgentCache.begin`) — answers as
+    with eager prefills. A prompt longer than PREFILL_MAX still prefills eagerly."""
+    from polykv.pool import agents as agents_mod
+    from polykv.pool.agent_cache import AgentCache
+    from polykv.spec.invariant import row_invariant
+
+    model, tok = tiny
+    begun = []
+    begin = AgentCache.begin
+    monkeypatch.setattr(AgentCache, "begin", lambda self, *a, **k: (begun.append(1), begin(self, *a, **k))[1])
+    prompts = [[5, 6, 7], [8, 9], [9, 10, 11, 12, 13, 14, 15, 16, 17], [11, 12, 13, 14], [15, 16, 17]]
+    kw = dict(max_new_tokens=6, speculative=spec, max_batch=2)
+    want = SharedKVPool(model, tok, k="q8_0", v="turbo3", prefill_chunk=32)
+    pool = SharedKVPool(model, tok, k="q8_0", v="turbo3", prefill_chunk=32)
+    doc = pool.add_document(DOC)
+    assert want.add_document(DOC) == doc
+    with row_invariant(model):
+        monkeypatch.setattr(agents_mod, "PREFILL_MAX", 0)  # every prefill eager: the reference
+        want.generate(doc, prompts, **kw)
+        assert begun
+        begun.clear()
+        monkeypatch.setattr(agents_mod, "PREFILL_MAX", 8)  # the 9-token prompt: eager
+        pool.generate(doc, prompts, **kw)
+        assert len(begun) == 1
+        begun.clear()
+        monkeypatch.setattr(agents_mod, "PREFILL_MAX", 128)
+        pool.generate(doc, prompts, **kw)
+    assert not begun  # no eager forward at all
+    assert pool.last_generate["answer_ids"] == want.last_generate["answer_ids"]
+    parked = pool._docs[doc].parked.graphs
+    assert parked.prefill_widths() == [(2, 8), (2, 16)]  # 9 tokens ran as 16 columns

@@ -26,9 +26,9 @@ cfg = Gemma3TextConfig(vocab_size=128, hidden_size=64, intermediate_size=128, nu
 model = Gemma3ForCausalLM(cfg).eval()
 sufs = [[5, 6, 7], [8, 9], [10, 11, 12, 13], [14]]
 feeds = [[20 + 4 * i + j for j in range(4)] for i in range(5)]  # windows leave the document
-a, _, a_lens = _run(model, CharTok(), "q8_0", "turbo3", False, feeds, sufs)
+a, _, a_lens, _ = _run(model, CharTok(), "q8_0", "turbo3", False, feeds, sufs)
 n_eager = len(calls)
-b, _, b_lens = _run(model, CharTok(), "q8_0", "turbo3", True, feeds, sufs)
+b, _, b_lens, _ = _run(model, CharTok(), "q8_0", "turbo3", True, feeds, sufs)
 print(json.dumps({"diff": max(float((x - y).abs().max()) for x, y in zip(a, b)),
                   "lens": torch.equal(a_lens, b_lens), "eager_calls": n_eager,
                   "static_calls": len(calls) - n_eager}))
