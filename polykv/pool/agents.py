@@ -70,7 +70,6 @@ from dataclasses import dataclass, field
 import torch
 
 from ..generation import SamplingRows, greedy_ids
-from .decode_graph import PREFILL_MAX
 
 _slot, _drafts = operator.attrgetter("slot"), operator.attrgetter("drafts")
 
@@ -472,7 +471,7 @@ class AgentBatch:
             self._check_idle()
         todo = [a for a in (self._agents.values() if agents is None else agents) if a.pending]
         widest = max((len(a.pending) for a in todo), default=0)
-        if self._graphs is not None and 1 < widest <= PREFILL_MAX:
+        if self._graphs is not None and widest > 1 and self._graphs.prefills(len(self._slots), widest):
             return [self._prefill(todo)]
         done = []
         for group in ([a for a in todo if len(a.pending) == 1], [a for a in todo if len(a.pending) > 1]):

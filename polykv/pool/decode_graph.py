@@ -34,7 +34,9 @@ of slots 0..n-1 as left-padded columns of one captured step, n_q = the widest ag
 up to a power of two (8..PREFILL_MAX: a few captures per bucket), keeping only each agent's last
 column's logits; an agent with nothing to feed gets padding columns only (scratch writes, its length
 unchanged). Eagerly such a step was one forward per layer op — ~100 launches per layer, host-bound on
-a GPU: a join cost about as much as ten decode steps (BENCHMARKS §8.13). Longer feeds stay eager.
+a GPU: a join cost about as much as ten decode steps (BENCHMARKS §8.13). Longer feeds, and steps
+whose padded columns would cost more FLOPs than the eager forward's host time (`prefill_budget`:
+large models, wide buckets), stay eager.
 
 Which bucket runs n agents: bucket(n) when captured; while agents finish within a batch (n below the
 batch's peak) a larger bucket already captured for that width is replayed instead of capturing a
@@ -94,6 +96,26 @@ def bucket(n: int) -> int:
 # the most columns a captured prefill step takes (its widest agent's tokens); a longer prompt is
 # prefilled eagerly
 PREFILL_MAX = 128
+# A captured prefill step computes every agent of its bucket at its width: B x n_q token columns,
+# most of them padding. It replaces an eager forward whose cost is host time, ~0.6 ms per layer on
+# the H100 (BENCHMARKS 8.13: a join ~18 ms for SmolLM2's 30 layers). Padding is worth it while its
+# FLOPs (2 x a layer's weights per column and layer) take less than that at a conservative 2e14
+# FLOP/s: B x n_q <= PREFILL_FLOPS_PER_LAYER / (2 x weights per layer) — an estimate, not a
+# measurement (SmolLM2-135M: ~17k columns, every step up to PREFILL_MAX; a Llama-3-8B layer: ~275).
+PREFILL_FLOPS_PER_LAYER = 0.6e-3 * 2e14
+
+
+def layer_weights(model) -> int:
+    """Weights of one decoder layer (all weights but the embeddings and the output head, over the
+    layer count): what one token column costs to push through a layer, x2 FLOPs."""
+    seen, total = set(), 0
+    skip = {id(m.weight) for m in (model.get_input_embeddings(), model.get_output_embeddings())
+            if m is not None and getattr(m, "weight", None) is not None}
+    for w in model.parameters():
+        if id(w) not in seen and id(w) not in skip:
+            seen.add(id(w))
+            total += w.numel()
+    return max(1, total // max(1, int(model.config.get_text_config().num_hidden_layers)))
 
 
 def prefill_columns(width: int) -> int:
@@ -147,6 +169,14 @@ class DecodeGraphs:
         self.total_captures = 0  # steps built over this object's life (across reuses)
         self._peak = 0  # most agents in one step since the last `reset`
         self.columns = 1  # widest step this batch may run (`expect_columns`): its bucket's widths
+        # token columns (bucket x n_q) a captured prefill step may compute (PREFILL_FLOPS_PER_LAYER)
+        self.prefill_budget = int(PREFILL_FLOPS_PER_LAYER / (2 * layer_weights(model)))
+
+    def prefills(self, n: int, width: int) -> bool:
+        """Whether a forward of n agents whose widest feeds `width` tokens runs as the captured
+        prefill step (`run_prefill`) rather than eagerly: at most PREFILL_MAX tokens, and the
+        step's token columns within `prefill_budget`."""
+        return 1 < width <= PREFILL_MAX and bucket(n) * prefill_columns(width) <= self.prefill_budget
 
     def reset(self) -> None:
         """A new batch takes over these steps (the pool reuses a closed batch's cache and graphs):

@@ -442,8 +442,9 @@ def test_prompts_are_prefilled_through_the_static_step(tiny, static_graphs, monk
     """With captured steps, the prompts of a batch and the prompts joining it later (continuous
     batching) are prefilled by the captured prefill step (`run_prefill`: columns rounded up to 8,
     16, ...; waiting agents padded), never by an eager forward (`AgentCache.begin`) — answers as
-    with eager prefills. A prompt longer than PREFILL_MAX still prefills eagerly."""
-    from polykv.pool import agents as agents_mod
+    with eager prefills. A prompt longer than PREFILL_MAX, or a step over the padding budget,
+    still prefills eagerly."""
+    from polykv.pool import decode_graph
     from polykv.pool.agent_cache import AgentCache
     from polykv.spec.invariant import row_invariant
 
@@ -458,17 +459,41 @@ def test_prompts_are_prefilled_through_the_static_step(tiny, static_graphs, monk
     doc = pool.add_document(DOC)
     assert want.add_document(DOC) == doc
     with row_invariant(model):
-        monkeypatch.setattr(agents_mod, "PREFILL_MAX", 0)  # every prefill eager: the reference
+        monkeypatch.setattr(decode_graph, "PREFILL_MAX", 0)  # every prefill eager: the reference
         want.generate(doc, prompts, **kw)
         assert begun
         begun.clear()
-        monkeypatch.setattr(agents_mod, "PREFILL_MAX", 8)  # the 9-token prompt: eager
+        monkeypatch.setattr(decode_graph, "PREFILL_MAX", 8)  # the 9-token prompt: eager
         pool.generate(doc, prompts, **kw)
         assert len(begun) == 1
         begun.clear()
-        monkeypatch.setattr(agents_mod, "PREFILL_MAX", 128)
+        monkeypatch.setattr(decode_graph, "PREFILL_MAX", 128)
         pool.generate(doc, prompts, **kw)
-    assert not begun  # no eager forward at all
-    assert pool.last_generate["answer_ids"] == want.last_generate["answer_ids"]
-    parked = pool._docs[doc].parked.graphs
-    assert parked.prefill_widths() == [(2, 8), (2, 16)]  # 9 tokens ran as 16 columns
+        assert not begun  # no eager forward at all
+        assert pool.last_generate["answer_ids"] == want.last_generate["answer_ids"]
+        parked = pool._docs[doc].parked.graphs
+        assert parked.prefill_widths() == [(2, 8), (2, 16)]  # 9 tokens ran as 16 columns
+        parked.prefill_budget = 2 * 8  # 2 agents x 8 columns: the 16-column step is over budget
+        pool.generate(doc, prompts, **kw)
+    assert len(begun) == 1 and pool.last_generate["answer_ids"] == want.last_generate["answer_ids"]
+
+
+def test_prefill_budget_follows_the_weights_per_layer():
+    """The captured prefill step's padded columns are bounded by what an eager forward's host time
+    would buy (PREFILL_FLOPS_PER_LAYER): a SmolLM2-135M-shape layer affords every step up to 32
+    agents x PREFILL_MAX columns, a Llama-3-8B-shape layer a few hundred columns."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from polykv.pool import decode_graph
+
+    with torch.device("meta"):
+        small = LlamaForCausalLM(LlamaConfig(hidden_size=576, intermediate_size=1536, num_hidden_layers=30,
+                                             num_attention_heads=9, num_key_value_heads=3, vocab_size=49152,
+                                             tie_word_embeddings=True))
+        big = LlamaForCausalLM(LlamaConfig(hidden_size=4096, intermediate_size=14336, num_hidden_layers=2,
+                                           num_attention_heads=32, num_key_value_heads=8, vocab_size=128256))
+    assert decode_graph.layer_weights(small) == 3540115  # q, k, v, o, gate, up, down, 2 norms
+    assert decode_graph.layer_weights(big) == 218114048
+    budget = {name: int(decode_graph.PREFILL_FLOPS_PER_LAYER / (2 * decode_graph.layer_weights(m)))
+              for name, m in (("small", small), ("big", big))}
+    assert budget["small"] >= 32 * decode_graph.PREFILL_MAX and 100 < budget["big"] < 1000
