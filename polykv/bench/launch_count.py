@@ -9,8 +9,10 @@ Tiny random Llama (2 full-attention layers) and Gemma-3 (2 sliding + 1 full), he
 V turbo3, 4 agents over a 40-token document, recent windows R = 0 and 4; the fourth step of the
 batch is counted, and with R = 4 also a verify step of 2 drafts per agent (issue I; case
 "<model>_R4_verify2"); then, per R, the prefill of a 20-token prompt joining a running batch of 4
-(continuous batching: an eager forward, not a captured step; case "<model>_R<R>_join20"). torch ops: aten ops other than views and allocations, outside the Triton
-launches (the interpreter's own tensor traffic is not counted; a reshape that copies counts).
+(continuous batching; case "<model>_R<R>_join20": the eager forward, what a GPU runs where the
+captured prefill step does not apply). torch ops: aten ops other than views and allocations,
+outside the Triton launches (the interpreter's own tensor traffic is not counted; a reshape that
+copies counts).
 Prints one line per case and writes the JSON to --out.
 """
 
