@@ -497,3 +497,46 @@ def test_prefill_budget_follows_the_weights_per_layer():
     budget = {name: int(decode_graph.PREFILL_FLOPS_PER_LAYER / (2 * decode_graph.layer_weights(m)))
               for name, m in (("small", small), ("big", big))}
     assert budget["small"] >= 32 * decode_graph.PREFILL_MAX and 100 < budget["big"] < 1000
+
+
+@pytest.mark.gpu
+def test_captured_prefill_step_on_cuda(monkeypatch):
+    """On CUDA the prefill step is a real captured graph: a batch's prompts and a prompt joining it
+    two steps later get the logits of the eager prefill (bf16 tolerance), and the step was captured
+    (`prefill_widths`)."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from polykv.pool import decode_graph
+
+    torch.manual_seed(0)
+    cfg = LlamaConfig(vocab_size=256, hidden_size=128, intermediate_size=256, num_hidden_layers=2,
+                      num_attention_heads=2, num_key_value_heads=1, head_dim=64, max_position_embeddings=2048)
+    model = LlamaForCausalLM(cfg).to("cuda", torch.bfloat16).eval()
+    pool = SharedKVPool(model, None, k="q8_0", v="turbo3", progress=False, recent=4)
+    doc = pool.add_document(list(range(3, 250)) * 4)
+    prompts, joiner = [[5, 6, 7], [8, 9], list(range(10, 23))], list(range(30, 50))
+
+    def run():
+        out = []
+        with pool.open_batch(doc, capacity=4, seq_capacity=64) as b:
+            aids = [b.add(p) for p in prompts]
+            out.append(b.step())
+            for t in (60, 61):
+                b.feed({a: t for a in aids})
+                out.append(b.step())
+            aids.append(b.add(joiner))
+            b.feed({a: 62 for a in aids[:-1]})
+            out.append(b.step())
+            widths = b._graphs.prefill_widths() if b._graphs is not None else []
+        return out, widths
+
+    monkeypatch.setattr(decode_graph, "PREFILL_MAX", 0)
+    pool.max_parked_batches = 0  # each batch its own graphs
+    want, _ = run()
+    monkeypatch.setattr(decode_graph, "PREFILL_MAX", 128)
+    got, widths = run()
+    assert widths == [(4, 16), (4, 32)]  # the prompts (13 tokens) and the joiner (20)
+    for w, g in zip(want, got):
+        assert w.keys() == g.keys()
+        for a in w:
+            torch.testing.assert_close(g[a].float(), w[a].float(), rtol=0.05, atol=0.05)
