@@ -881,24 +881,22 @@ class SharedKVPool:
         whose last read token is pending for the caller's next step — drafts may follow it)."""
         batch.feed(feed)
         clean: list[bool] = []  # per launched step: it captured nothing and prefilled no prompt
-        prefilled: list[bool] = []  # per launched step: it prefilled joining prompts
 
         def launch(prefill: bool = False):
             before = batch.graph_captures
             pending = batch.step_tokens_ahead()
             clean.append(batch.graph_captures == before and not prefill)
-            prefilled.append(prefill)
             return pending
 
-        ahead = launch(join())
+        joined = join()  # the only prompts a stretch prefills: in its first step (later ones wait for its end)
+        ahead = launch(joined)
         nxt = launch()
         reads, ready = 0, []
         while ahead is not None:
             spec.ahead()  # the outputs tree's adds while the device runs
             chosen = ahead.result()
             now = time.perf_counter()
-            # the period holds this step's wait and the next one's launch: a prefill in either
-            step_s.append((0, now - t_read, prefilled[reads] or (nxt is not None and prefilled[reads + 1])))
+            step_s.append((0, now - t_read, reads == 0 and joined))  # the first period holds its launch
             if clean[reads] and (nxt is None or clean[reads + 1]):
                 spec.observe_step(0, now - t_read, agents=len(chosen))
             t_read = now
@@ -928,8 +926,7 @@ class SharedKVPool:
             limits = {a: max_new_tokens - len(outs[a]) - 2 for a in batch.agents() if a in live and a in ahead.agents}
             if limits and spec.plain_next(limits, len(batch)):
                 nxt = launch()
-        joined = join()
-        return len(clean), joined, [a for a in ready if a in batch]
+        return len(clean), join(), [a for a in ready if a in batch]
 
     def _decode_pipelined(self, batch, outs: dict, live: set, max_new_tokens: int, eos, stops: list,
                           times, step_s: list, join=lambda: False) -> int:

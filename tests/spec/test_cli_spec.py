@@ -59,11 +59,12 @@ def test_bench_spec_main_without_typer_times_the_sync_loop(tiny_dir, tmp_path, c
 
     out = tmp_path / "d" / "spec.json"
     main(["--device", "cpu", "--model", tiny_dir, "--agents", "2", "--max-new-tokens", "6", "--workloads", "quoting",
-          "--methods", "suffix_tree", "--row-invariant", "--sync", "--out", str(out)])
+          "--methods", "suffix_tree", "--row-invariant", "--sync", "--dtype", "float32", "--out", str(out)])
     obj = json.loads(out.read_text())
     assert json.loads(capsys.readouterr().out) == obj
     (r,) = obj["rows"]
-    assert obj["sync"] is True and r["identical"] is True and r["identical_sync"] is True
+    assert obj["sync"] is True and obj["dtype"] == "float32"
+    assert r["identical"] is True and r["identical_sync"] is True
     for key in ("tok_s_sync", "speedup_sync", "ms_per_step", "ms_per_step_sync", "ms_per_step_baseline"):
         assert finite(r[key]) and r[key] > 0, key
     assert r["steps_sync"] > 0 and r["graph_captures_sync"] == 0 and 0 <= r["full_accepts"] <= r["agent_steps"]
