@@ -415,12 +415,10 @@ def bench_spec_cmd(
     tokens per verify step, acceptance, tok/s, identical answers (issue I)."""
     from pathlib import Path
 
-    import torch
+    from .bench.spec import TABLE_COLUMNS, bench_spec
+    from .hf.loading import load_model, model_device, model_dtype
 
-    from .bench.spec import TABLE_COLUMNS, bench_spec, model_dtype
-    from .hf.loading import load_model
-
-    dev = device or ("cuda" if torch.cuda.is_available() else "cpu")
+    dev = model_device(device)
     m, tok = load_model(model, device=dev, dtype=model_dtype(dtype, dev))
     result = bench_spec(m, tok, agents=tuple(int(a) for a in agents.split(",") if a),
                         workloads=tuple(w for w in workloads.split(",") if w),
@@ -458,6 +456,10 @@ def serve(
     host_budget: Optional[int] = typer.Option(None, "--host-budget", help="Bytes of host-tier documents (pinned "
                                               "host memory, streamed into attention; default: no host tier)."),
     torch_threads: Optional[int] = typer.Option(None, "--torch-threads", help="Engine intra-op threads."),
+    device: str = typer.Option("auto", "--device", help="Where the model and the KV live: auto (cuda when a GPU "
+                               "is there, else cpu), cpu, cuda, cuda:N."),
+    dtype: str = typer.Option("auto", "--dtype", help="Weights: auto (bfloat16 on CUDA, float32 on CPU), "
+                              "bfloat16, float16, float32."),
     speculative: Optional[str] = typer.Option(None, "--speculative", help="Default speculative decoding of "
                                               "document requests: prompt_lookup[:k] or suffix_tree[:k] (a request's "
                                               "own `speculative` wins)."),
@@ -487,6 +489,10 @@ def serve(
             raise typer.BadParameter(f"--speculative: {e}")
         os.environ["POLYKV_SPECULATIVE"] = speculative  # read per request (server/routes/completions.py)
 
+    from .hf.loading import DTYPES
+
+    if dtype != "auto" and dtype not in DTYPES:
+        raise typer.BadParameter(f"--dtype: unknown {dtype!r}: auto, {', '.join(DTYPES)}")
     if budget_bytes is not None and gpu_budget is not None and budget_bytes != gpu_budget:
         raise typer.BadParameter("--budget-bytes is the old name of --gpu-budget: give one (or equal values)")
     if use_ray:
@@ -502,7 +508,7 @@ def serve(
         return
     _serve(host=host, port=port, model=model, k=k, v=v, store=store,
            budget_bytes=gpu_budget if gpu_budget is not None else budget_bytes, host_budget_bytes=host_budget,
-           torch_threads=torch_threads, api_key=api_key, preset=preset)
+           torch_threads=torch_threads, api_key=api_key, preset=preset, device=device, dtype=dtype)
 
 
 def main() -> None:

@@ -223,20 +223,6 @@ def _bench(model, tok, text, agents, workloads, methods, num_draft_tokens, max_n
                 date=time.strftime("%Y-%m-%d"))
 
 
-DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
-
-
-def model_dtype(name: str, device: str) -> torch.dtype:
-    """The weights' dtype for `name` ("auto": bfloat16 on CUDA, where a model serves in half
-    precision — in float32 every linear runs without tensor cores and a verify step's wider
-    matmuls weigh far more than they would in service —; float32 on the CPU)."""
-    if name == "auto":
-        return torch.bfloat16 if str(device).startswith("cuda") else torch.float32
-    if name not in DTYPES:
-        raise ValueError(f"unknown dtype {name!r}: auto, {', '.join(DTYPES)}")
-    return DTYPES[name]
-
-
 def _machine(dev) -> str:
     if dev.type == "cuda":
         return torch.cuda.get_device_name(dev)
@@ -256,7 +242,7 @@ def main(argv=None) -> None:
     import pathlib
     import sys
 
-    from ..hf.loading import load_model
+    from ..hf.loading import DTYPES, load_model, model_device, model_dtype
 
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--agents", default="4")
@@ -280,7 +266,7 @@ def main(argv=None) -> None:
     a = ap.parse_args(argv)
     if a.device == "cuda" or (a.device is None and torch.cuda.is_available()):
         torch.backends.cuda.enable_cudnn_sdp(False)  # the baseline as the earlier GPU runs had it
-    dev = a.device or ("cuda" if torch.cuda.is_available() else "cpu")
+    dev = model_device(a.device)
     m, tok = load_model(a.model, device=dev, dtype=model_dtype(a.dtype, dev))
     res = bench_spec(m, tok, agents=tuple(int(x) for x in a.agents.split(",") if x),
                      workloads=tuple(w for w in a.workloads.split(",") if w),

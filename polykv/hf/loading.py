@@ -222,3 +222,25 @@ def _load_hf_dir(model_dir: Path, *, dtype: torch.dtype, device):
     if getattr(model.generation_config, "pad_token_id", None) is None and tok.pad_token_id is not None:
         model.generation_config.pad_token_id = tok.pad_token_id
     return model, tok
+
+
+DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
+
+
+def model_device(name: str | None = None) -> str:
+    """The device to load a model on: `name` as given, or "cuda" when a GPU is there, else "cpu"
+    (None or "auto")."""
+    if name is None or name == "auto":
+        return "cuda" if torch.cuda.is_available() else "cpu"
+    return str(name)
+
+
+def model_dtype(name: str, device: str) -> torch.dtype:
+    """The weights' dtype for `name` ("auto": bfloat16 on CUDA, where a model serves in half
+    precision — in float32 every linear runs without tensor cores and a verify step's wider
+    matmuls weigh far more than they would in service —; float32 on the CPU)."""
+    if name == "auto":
+        return torch.bfloat16 if str(device).startswith("cuda") else torch.float32
+    if name not in DTYPES:
+        raise ValueError(f"unknown dtype {name!r}: auto, {', '.join(DTYPES)}")
+    return DTYPES[name]

@@ -681,7 +681,9 @@ class SharedKVPool:
         outputs tree's logged tokens are added while it runs (`spec_overlap`); with pipelined too,
         the plain steps the width planner decides before drafting (backed off, or measuring T(0):
         `Speculator.plain_next`) run pipelined in stretches (`_spec_plain_stretch`; stats
-        `pipelined_steps`). max_batch: at most
+        `pipelined_steps`), and their period is the plain step time T(0) the planner weighs verify
+        steps against; once no prompt waits, the planner aims at the batch's finish (its longest
+        answer), not its tokens per second (spec/adaptive.py, "Static batches"). max_batch: at most
         this many agents decode at once (None: every prompt); the others wait in order and each
         joins the batch when an agent finishes (continuous batching: a slot never idles while a
         prompt waits; a joining prompt is prefilled in the same step as the others decode). Each
@@ -728,9 +730,14 @@ class SharedKVPool:
             outs: dict[int, list[int]] = {}
             live: set[int] = set()
 
+            def waiting() -> bool:
+                """A prompt waits to join (else the batch is static: the width planner aims at its
+                finish, spec/adaptive.py)."""
+                return len(aids) < len(suffixes) and max_new_tokens > 0
+
             def joinable() -> bool:
                 """A prompt waits and the batch has a free slot."""
-                return len(aids) < len(suffixes) and len(batch) < slots and max_new_tokens > 0
+                return waiting() and len(batch) < slots
 
             def join() -> bool:
                 """Waiting prompts join the batch while it has fewer than `slots` agents."""
@@ -777,7 +784,7 @@ class SharedKVPool:
                 timed = steps > 0 and batch.graph_captures == captured and not joined
                 t_read, captured = now, batch.graph_captures
                 if spec is not None:
-                    if timed:
+                    if timed and (width > 0 or not pipelined):  # pipelined, T(0) is the stretches' period
                         spec.observe_step(width, step_s[-1][1], agents=n_step)
                     spec.step_done(any(drafted.values()))
                 elif timed:
@@ -809,7 +816,7 @@ class SharedKVPool:
                         feed[a] = emitted[-1]
                         limits[a] = max_new_tokens - len(out) - 1
                 # every agent's drafts, cut to the one width the batch step is worth (WidthPlanner)
-                drafts = spec.propose_all(limits, agents=len(feed)) if spec is not None else {}
+                drafts = spec.propose_all(limits, len(feed), not waiting()) if spec is not None else {}
                 self.peak_agent_bytes = max(self.peak_agent_bytes, batch.nbytes())
                 peak = batch.peak_bytes
                 if len(live) < len(batch):  # agents done this step leave the batch
@@ -817,16 +824,16 @@ class SharedKVPool:
                         batch.remove(a)
                 drafts = {a: d for a, d in drafts.items() if d}
                 if (pipelined and spec is not None and feed and not drafts
-                        and spec.plain_next({a: n - 1 for a, n in limits.items()}, len(feed))):
+                        and spec.plain_next({a: n - 1 for a, n in limits.items()}, len(feed), not waiting())):
                     # this step and the next are plain (the planner backed off or measures T(0)):
                     # run them, and the plain steps it decides after them, pipelined
                     n, joined, ready = self._spec_plain_stretch(batch, spec, feed, outs, live, max_new_tokens,
-                                                                eos, stops, step_s, join, joinable, t_read)
+                                                                eos, stops, step_s, join, joinable, waiting, t_read)
                     steps += n
                     # the next step's time starts at the stretch's last read: its drafting is billed to it
                     t_read, captured = time.perf_counter(), batch.graph_captures
                     limits = {a: max_new_tokens - len(outs[a]) - 1 for a in ready}
-                    drafts = spec.propose_all(limits, agents=len(ready)) if ready else {}
+                    drafts = spec.propose_all(limits, len(ready), not waiting()) if ready else {}
                     drafts = {a: d for a, d in drafts.items() if d}
                     batch.feed_drafts(drafts)  # after each agent's last token (read, still pending)
                 else:
@@ -864,13 +871,14 @@ class SharedKVPool:
             stops and find_stop(self.tok.decode(out, skip_special_tokens=True), stops) >= 0)
 
     def _spec_plain_stretch(self, batch, spec, feed: dict, outs: dict, live: set, max_new_tokens: int, eos,
-                            stops: list, step_s: list, join, joinable, t_read: float) -> tuple[int, bool, list[int]]:
+                            stops: list, step_s: list, join, joinable, waiting, t_read: float) -> tuple[int, bool, list[int]]:
         """Plain steps of the speculative loop, pipelined as `_decode_pipelined` runs them: the
         caller fed nothing yet and `spec.plain_next` approved the step after this one. Feeds
         `feed`, lets waiting prompts take free slots (`join`), launches this step and the next,
         then, each time it reads a step (the next one already running): the tokens' rules and
         `spec.record`, agents done leave, and the step after the one in flight is launched while
-        `spec.plain_next` approves it and no waiting prompt has a free slot (`joinable`). Such
+        `spec.plain_next` approves it (static while no prompt is `waiting`) and no waiting prompt
+        has a free slot (`joinable`). Such
         prompts join once the last step in flight is read (their prefill is the caller's next step):
         had they joined before, an agent leaving on that read would move a joiner's slot into its
         own, the decoders of the caller's step would not be slots 0..n-1, and that step would run
@@ -924,7 +932,7 @@ class SharedKVPool:
             if joinable():
                 continue  # read the step in flight; the prompts join after it
             limits = {a: max_new_tokens - len(outs[a]) - 2 for a in batch.agents() if a in live and a in ahead.agents}
-            if limits and spec.plain_next(limits, len(batch)):
+            if limits and spec.plain_next(limits, len(batch), not waiting()):
                 nxt = launch()
         return len(clean), join(), [a for a in ready if a in batch]
 

@@ -51,12 +51,14 @@ def build_pool(model, tok, *, k: str = "q8_0", v: str = "turbo3", store=None, bu
 
 
 def _make_app(model=None, k="q8_0", v="turbo3", store=None, budget_bytes=None, innerq=None,
-              host_budget_bytes=None, preset=None, **app_kw):
-    from ..hf.loading import load_model
+              host_budget_bytes=None, preset=None, device=None, dtype="auto", **app_kw):
+    from ..hf.loading import load_model, model_device, model_dtype
     from .app import create_app
 
     name = model or "smollm2-135m"
-    m, tok = load_model(model)
+    dev = model_device(device)
+    m, tok = load_model(model, device=dev, dtype=model_dtype(dtype, dev))
+    log.info("polykv serve: %s on %s (%s)", name, dev, str(next(m.parameters()).dtype).removeprefix("torch."))
     if store is not None:
         Path(store).mkdir(parents=True, exist_ok=True)
     pool = build_pool(m, tok, k=k, v=v, store=store, budget_bytes=budget_bytes, innerq=innerq,
@@ -81,12 +83,14 @@ def serve(host: str = "127.0.0.1", port: int = 8000, model: str | None = None, k
           v: str | None = None, store: str | None = None, budget_bytes: int | None = None,
           log_level: str = "info", torch_threads: int | None = None, api_key: str | None = None,
           max_body_bytes: int | None = None, preset: str | None = None,
-          host_budget_bytes: int | None = None) -> None:
+          host_budget_bytes: int | None = None, device: str | None = None, dtype: str = "auto") -> None:
     """Load the model, build (or load from `store`) the pool and serve until interrupted.
 
     `preset` (polykv.presets; default "default") gives K/V types and InnerQ; `k` / `v` override it.
     `budget_bytes`: the pool's GPU-tier budget; `host_budget_bytes`: its host tier (None: none).
     `torch_threads`: intra-op threads of the engine (None: torch's default).
+    `device`: where the model and the pool live (None / "auto": cuda when a GPU is there, else cpu);
+    `dtype`: the weights' ("auto": bfloat16 on CUDA, float32 on the CPU; `polykv.hf.loading.model_dtype`).
     `api_key`: Bearer key for every route but /health (None: $POLYKV_API_KEY, else open; binding a
     non-loopback host without one logs a warning). `max_body_bytes`: larger bodies get 413.
     Ctrl-C / SIGTERM: uvicorn stops accepting, the app's lifespan ends and the engine thread is
@@ -104,7 +108,7 @@ def serve(host: str = "127.0.0.1", port: int = 8000, model: str | None = None, k
     named = preset if (k is None and v is None) else None  # explicit --k / --v: fixed types
     k, v, innerq = resolve(preset, k, v)
     app = _make_app(model=model, k=k, v=v, store=store, budget_bytes=budget_bytes, innerq=innerq,
-                    host_budget_bytes=host_budget_bytes, preset=named,
+                    host_budget_bytes=host_budget_bytes, preset=named, device=device, dtype=dtype,
                     engine_kwargs={"num_threads": torch_threads}, **app_kw)
     uvicorn.run(app, host=host, port=port, log_level=log_level, timeout_graceful_shutdown=5)
 

@@ -18,6 +18,22 @@ and width, kept per document across generate calls), and before a width is seen,
 T(w) = t0·(1 + c·w) through the measured ones (c fitted from at least two widths, else the device
 prior). w = 0 is a plain decode step for everyone.
 
+Static batches (`SharedKVPool.generate` with no prompt waiting for a slot): the call ends when its
+last answer does, so tokens per second over the batch is the wrong aim — drafts accepted by an
+agent that finishes early anyway shorten nothing. The planner then weighs each agent's expected
+tokens by how likely it is to be the last one (`finish_weights`: exp((left_i - L) / sqrt(L)), left_i
+the tokens agent i may still emit, L the most of any agent): agents near the longest answer count
+fully, those far ahead hardly at all. The softness is on purpose: the last agent is not settled
+while much is left, and on the CPU a planner that counted the longest answer alone (the steps it
+still needs at each width) widened too rarely — 47 steps to the plain sum's 42–43 for the
+quoting bench's 64 tokens (session 22, 2 cores, 4 agents; 1.26–1.27× against 1.28–1.37×). Before
+drafting, `plain_ahead` needs each agent's drafts ahead of time: in a static batch it forecasts them
+(an agent whose last drafting found nothing is taken to find nothing again) rather than bounding
+them, since a bound of full drafts for everyone nearly always calls for drafting, and a step
+drafted and then kept plain runs synchronously instead of pipelined. Measured motive (H100, SmolLM2
+bf16, `polykv bench spec`, session 22): a static batch's verify steps brought 1.9–2.2 tokens per
+agent, yet the call took 62–64 steps against plain decoding's 64, each slower: 0.82–0.95×.
+
 What T(w) covers (one basis for every width): the whole wall of one step of the loop that runs it,
 from the previous step's ids on the host to this step's — the host work that prepares its inputs
 (the last ids' stop rules, `Speculator.record`, drafting, the planner, `feed`), its launch and the
@@ -39,7 +55,11 @@ use it and "don't speculate" saves it; (2) T(0) is never extrapolated from wider
 holds the drafting): a bucket with widths measured but no T(0) runs one plain step to measure it
 (calibrating). T(0)'s window (the last 16 plain steps) starts from plain calls' pipelined steps
 when there were some, the bar a speculative call must clear (a conservative start on a GPU), and
-the speculative loop's own plain steps replace them as they run. Whether to speculate at all rather
+the speculative loop's own plain steps replace them as they run — in `SharedKVPool.generate`'s
+pipelined mode only its pipelined stretches' periods: a plain step of the loop is what the call runs
+instead of speculating, and once the planner turns plain that is a stretch (session 22, H100, 8
+agents: the loop's plain steps, synchronous and stretch ones together, had a median of 2.2 ms
+against a plain call's 1.8, so a width-3 step of 2.9 ms looked 1.3× a plain one where it cost 1.6×). Whether to speculate at all rather
 than decode plain and pipelined is the caller's choice: a speculative call that the planner keeps
 plain runs slower than a plain call on a GPU (the synchronous loop), by the host work it no longer
 overlaps.
@@ -55,11 +75,12 @@ successful one resets it.
 
 from __future__ import annotations
 
+import math
 import statistics
 import threading
 from collections import deque
 
-__all__ = ["AdaptiveLength", "StepCost", "StepTimes", "WidthPlanner", "expected_tokens"]
+__all__ = ["AdaptiveLength", "StepCost", "StepTimes", "WidthPlanner", "expected_tokens", "finish_weights"]
 
 
 def expected_tokens(a: float, k: int) -> float:
@@ -260,6 +281,18 @@ def fit_cost_ratio(points: dict[int, float]) -> float | None:
     return min(10.0, max(0.0, slope / t0))
 
 
+def finish_weights(left: list[int], rest: int = 0) -> tuple[list[float], float]:
+    """How much each agent of a static batch weighs in a step's worth, from the tokens it may still
+    emit (left; rest: the most any agent outside `left` may, counted as one agent at one token a
+    step): exp((left_i - L) / τ), L the most tokens left, τ = sqrt(L). The batch ends with its last
+    agent, so tokens of agents far from it are worth little; but who finishes last is not settled
+    while much is left (every verify step moves the agents apart by a token or so), so agents within
+    about sqrt(L) tokens of the longest count nearly as much. Returns (weights, rest's weight)."""
+    most = max(max(left, default=0), int(rest))
+    tau = math.sqrt(max(most, 1))
+    return [math.exp((n - most) / tau) for n in left], (math.exp((rest - most) / tau) if rest > 0 else 0.0)
+
+
 class WidthPlanner:
     """The batch-level draft width (module doc): `choose` once per step, before the drafts are fed.
 
@@ -311,35 +344,46 @@ class WidthPlanner:
                 out.append(1.0 + c * w)
         return out
 
-    def best(self, agents: list[tuple[float, int]], n_agents: int | None = None) -> tuple[int, list[float]]:
-        """(w maximising expected tokens per second, the score of every w). agents: (acceptance,
-        drafts available) of each agent that drafts; n_agents: all agents of the step (the others
-        emit one token whatever w is)."""
+    def best(self, agents: list[tuple[float, int]], n_agents: int | None = None, left: list[int] | None = None,
+             rest: int = 0) -> tuple[int, list[float]]:
+        """(the best w, the score of every w). agents: (acceptance, drafts available) of each agent
+        that drafts; n_agents: all agents of the step (the others emit one token whatever w is).
+        left None: the score is the expected tokens per second (module doc). left given (a static
+        batch): the tokens each agent of `agents` may still emit, rest the most any other agent of
+        the step may; each agent's tokens are weighted by how likely it is to finish last
+        (`finish_weights`; module doc, "Static batches")."""
         n = max(len(agents), int(n_agents) if n_agents is not None else len(agents))
         costs = self.step_costs(n)
-        others = n - len(agents)
+        if left is None:
+            weights, others = None, n - len(agents)
+        else:
+            weights, others = finish_weights(left, rest)
         top = self.k_max
-        # sums[w] = sum(expected_tokens(a, min(k, w)) for a, k in agents): the same floats added in the
-        # same order, each agent's k pow calls once instead of k_max + 1 calls (measured 32 agents:
-        # 75 -> 30 us per step)
+        # sums[w] = sum(weight * expected_tokens(a, min(k, w)) for a, k in agents): the same floats added
+        # in the same order, each agent's k pow calls once instead of k_max + 1 calls (measured 32
+        # agents: 75 -> 30 us per step)
         sums = [0] * (top + 1)
         widths = range(1, top + 1)
-        for a, k in agents:
+        for i, (a, k) in enumerate(agents):
             m = k if k < top else top
-            e = 1.0  # expected_tokens(a, 0), exactly
+            g = 1.0 if weights is None else weights[i]
+            e = g  # g * expected_tokens(a, 0), exactly
             sums[0] += e
             if a >= 1.0:
                 for j in widths:
                     if j <= m:
-                        e = float(j + 1)
+                        e = g * float(j + 1)
                     sums[j] += e
             else:
                 d = 1.0 - a
                 for j in widths:
                     if j <= m:
-                        e = (1.0 - a ** (j + 1)) / d
+                        e = g * ((1.0 - a ** (j + 1)) / d)
                     sums[j] += e
-        scores = [(others + sums[w]) / max(costs[w], 1e-12) for w in range(top + 1)]
+        return self._argmax([(others + sums[w]) / max(costs[w], 1e-12) for w in range(top + 1)])
+
+    def _argmax(self, scores: list[float]) -> tuple[int, list[float]]:
+        """(the w of the highest score, a wider w winning only by more than 0.01 %; the scores)."""
         w = 0
         for j in range(1, self.k_max + 1):
             if scores[j] > scores[w] * 1.0001:
@@ -354,17 +398,19 @@ class WidthPlanner:
 
     def plain_ahead(self, bound, n_agents: int) -> bool:
         """Before drafting: whether the next step is plain whatever the drafts turn out to be, so
-        nothing need be drafted. bound: a function giving (acceptance, the most drafts it may have)
-        of every drafting agent, called only while the planner is off (backed off, waiting or just
-        probed): if w = 0 wins with these, it wins with the real drafts (fewer drafts only lower a
-        wider step's score), and `choose` would have returned 0 with this very state change (the
-        wait goes down; a failed probe doubles it first). Also True while calibrating T(0)."""
+        nothing need be drafted. bound: a function giving (agents, left, rest) as `best` takes them
+        — (acceptance, the most drafts it may have) of every drafting agent —, called only while
+        the planner is off (backed off, waiting or just probed): if w = 0 wins with these, it wins
+        with the real drafts (fewer drafts only lower a wider step's score), and `choose` would have
+        returned 0 with this very state change (the wait goes down; a failed probe doubles it
+        first). In a static batch the drafts are a forecast instead (`Speculator._most_drafts`).
+        Also True while calibrating T(0)."""
         if self._calibrating(int(n_agents)):
             return True
         if not (self._off and (self.wait > 0 or self._probed)):
             return False
-        agents = bound()
-        if not agents or self.best(agents, max(len(agents), int(n_agents)))[0] > 0:
+        agents, left, rest = bound()
+        if not agents or self.best(agents, max(len(agents), int(n_agents)), left, rest)[0] > 0:
             return False
         if self._probed:  # the probe did not bring the acceptance back (as `choose`)
             self._probed = False
@@ -373,15 +419,17 @@ class WidthPlanner:
         self.wait -= 1
         return True
 
-    def choose(self, agents: list[tuple[float, int]], n_agents: int | None = None) -> int:
-        """The width of the next step (0 = plain): `best`, with the back-off's probes while it is 0.
-        A probe's width is probe_k (capped by k_max and the longest draft available); a step
-        without drafts available is plain and probes nothing (it still counts in the wait)."""
+    def choose(self, agents: list[tuple[float, int]], n_agents: int | None = None, left: list[int] | None = None,
+               rest: int = 0) -> int:
+        """The width of the next step (0 = plain): `best` (left, rest: its static-batch objective),
+        with the back-off's probes while it is 0. A probe's width is probe_k (capped by k_max and
+        the longest draft available); a step without drafts available is plain and probes nothing
+        (it still counts in the wait)."""
         n = max(len(agents), int(n_agents) if n_agents is not None else len(agents))
         if self._calibrating(n):
             return 0
         avail = max((k for _, k in agents), default=0)
-        w, _ = self.best(agents, n)
+        w, _ = self.best(agents, n, left, rest)
         probed, self._probed = self._probed, False
         if w > 0:
             self._off, self.probe, self.wait = False, self.probe0, 0

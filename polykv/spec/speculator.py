@@ -94,11 +94,12 @@ class SpecConfig:
 
 
 class _AgentSpec:
-    __slots__ = ("context", "drafter", "length", "handle", "key", "logged")
+    __slots__ = ("context", "drafter", "length", "handle", "key", "logged", "found")
 
     def __init__(self, context, drafter, length, handle, key):
         self.context, self.drafter, self.length, self.handle, self.key = context, drafter, length, handle, key
         self.logged = 0  # tokens extended into the handle (added by the tree or still logged)
+        self.found = True  # its last drafting found drafts (a static batch's forecast: `_most_drafts`)
 
 
 class Speculator:
@@ -172,13 +173,16 @@ class Speculator:
             return drafter.propose(st.context, k, key=st.key)[:k]
         return drafter.propose(st.context, k)[:k]
 
-    def propose_all(self, limits: dict, agents: int | None = None) -> dict:
-        """Drafts for the next step of every agent in `limits` ({key: at most this many drafts},
-        e.g. the tokens it may still emit minus one): each drafts up to its num_draft_tokens, then
+    def propose_all(self, limits: dict, agents: int | None = None, static: bool = False) -> dict:
+        """Drafts for the next step of every agent in `limits` ({key: at most this many drafts}:
+        the tokens it may still emit minus one): each drafts up to its num_draft_tokens, then
         the `WidthPlanner` picks the step's width w from the measured step times (`observe_step`)
         and the agents' acceptance and cuts the adaptive agents' drafts to w (0: plain decoding for
         all; agents of a fixed length keep theirs). agents: every agent of the step (default: the
-        keys), those without drafts emit one token each. Returns {key: drafts} (maybe empty).
+        keys), those without drafts emit one token each. static: no prompt waits to join, so the
+        planner aims at the batch's finish rather than its tokens per second (spec/adaptive.py,
+        "Static batches"; limits must then be the tokens left minus one). Returns {key: drafts}
+        (maybe empty).
         When the planner knows before any drafting that the step will be plain
         (`WidthPlanner.plain_ahead`: measuring T(0), or backed off), the adaptive agents draft
         nothing: a plain step of the speculative loop costs no drafting."""
@@ -188,7 +192,7 @@ class Speculator:
         lagged = self.overlap  # read the tree as `ahead` left it (the handle lacks the last step)
         planner = self.planner
         plain = planner is not None and planner.plain_ahead(
-            lambda: self._most_drafts(limits), agents if agents is not None else len(limits))
+            lambda: self._most_drafts(limits, static), agents if agents is not None else len(limits))
         for key, limit in limits.items():
             st = get(key)
             if st is None:
@@ -219,9 +223,12 @@ class Speculator:
                 adaptive.append(key)
                 acc = length.acc
                 wants.append((acc / (acc + length.rej), len(d)))  # length.acceptance, inlined
+                if k > 0:
+                    st.found = bool(d)
         if planner is None or not adaptive:
             return out
-        w = 0 if plain else planner.choose(wants, agents if agents is not None else len(limits))
+        left, rest = self._left(limits, adaptive) if static else (None, 0)
+        w = 0 if plain else planner.choose(wants, agents if agents is not None else len(limits), left, rest)
         self.widths[w] += 1
         w = max(w, fixed_w)  # free up to there
         for k, (_, n) in zip(adaptive, wants):
@@ -229,13 +236,13 @@ class Speculator:
                 out[k] = out[k][:w]
         return out
 
-    def plain_next(self, limits: dict, agents: int | None = None) -> bool:
+    def plain_next(self, limits: dict, agents: int | None = None, static: bool = False) -> bool:
         """Whether the planner has decided the next step plain before any drafting
         (`WidthPlanner.plain_ahead`: backed off and waiting, or measuring T(0)) — a step the loop
         may launch before it reads the one in flight (pipelined, as plain decoding runs). True
         counts that step as `propose_all` would (one plain step of the planner); False changes
         nothing. False whenever an agent drafts at a fixed length (it always drafts) or none is
-        adaptive. limits, agents: as `propose_all`'s."""
+        adaptive. limits, agents, static: as `propose_all`'s."""
         planner = self.planner
         if planner is None:
             return False
@@ -246,23 +253,37 @@ class Speculator:
                 if st.length.fixed:
                     return False
                 adaptive = True
-        if not adaptive or not planner.plain_ahead(lambda: self._most_drafts(limits),
+        if not adaptive or not planner.plain_ahead(lambda: self._most_drafts(limits, static),
                                                    agents if agents is not None else len(limits)):
             return False
         self.widths[0] += 1
         self.pipelined_steps += 1
         return True
 
-    def _most_drafts(self, limits: dict) -> list[tuple[float, int]]:
-        """(acceptance, the most drafts it may have) of every adaptive agent in `limits`: the bound
-        `WidthPlanner.plain_ahead` decides on before anything is drafted."""
-        out = []
+    def _most_drafts(self, limits: dict, static: bool = False) -> tuple[list, list | None, int]:
+        """(agents, left, rest) for `WidthPlanner.plain_ahead` before anything is drafted: agents =
+        (acceptance, the most drafts it may have) of every adaptive agent in `limits`, a bound.
+        static: the drafts are a forecast instead — none for an agent whose last drafting found
+        none — and left / rest are `_left`'s (spec/adaptive.py, "Static batches")."""
+        out, keys = [], []
         for key, limit in limits.items():
             st = self._agents.get(key)
             if st is not None and not st.length.fixed:
                 length = st.length
-                out.append((length.acceptance, max(0, min(length.k_max, int(limit)))))
-        return out
+                most = max(0, min(length.k_max, int(limit)))
+                out.append((length.acceptance, most if st.found or not static else 0))
+                keys.append(key)
+        if not static:
+            return out, None, 0
+        return (out, *self._left(limits, keys))
+
+    @staticmethod
+    def _left(limits: dict, keys: list) -> tuple[list[int], int]:
+        """(tokens left of each agent of `keys`, the most tokens left of any other agent in
+        `limits`): a limit is the tokens left minus one."""
+        inside = set(keys)
+        rest = max((int(n) + 1 for key, n in limits.items() if key not in inside), default=0)
+        return [int(limits[key]) + 1 for key in keys], rest
 
     def record(self, key, emitted: list[int], drafted: int) -> None:
         """After a step of agent `key`: the tokens it emitted (all of them, kept or not) and how many

@@ -30,7 +30,7 @@ def test_bench_spec_dtype_defaults_to_half_precision_on_cuda_only():
     import pytest
     import torch
 
-    from polykv.bench.spec import model_dtype
+    from polykv.hf.loading import model_dtype
 
     assert model_dtype("auto", "cuda") is torch.bfloat16 and model_dtype("auto", "cuda:1") is torch.bfloat16
     assert model_dtype("auto", "cpu") is torch.float32

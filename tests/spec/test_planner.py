@@ -4,10 +4,12 @@ sum_i E(a_i, min(k_i, w)) / T(w) and cuts every agent's drafts to it."""
 
 from __future__ import annotations
 
+import math
+
 import pytest
 
 from polykv.spec import SpecConfig, Speculator, expected_tokens
-from polykv.spec.adaptive import StepTimes, WidthPlanner, agent_bucket, fit_cost_ratio
+from polykv.spec.adaptive import StepTimes, WidthPlanner, agent_bucket, finish_weights, fit_cost_ratio
 
 
 def times_of(table: dict[int, float], agents: int = 8, reps: int = 3) -> StepTimes:
@@ -116,3 +118,49 @@ def test_propose_all_cuts_every_agent_to_one_width():
     assert spec.stats()["widths"] == {2: 1}
     out = spec.propose_all({"a": 60, "fixed": 60}, agents=8)
     assert out["fixed"] == [10, 11, 12, 13] and out["a"] == [10, 11, 12, 13]  # the fixed agent sets the width
+
+
+def test_a_static_batch_weighs_the_agents_that_finish_last():
+    """Static batch (no prompt waiting): the call ends with its last answer, so each agent's
+    expected tokens count by exp((left_i - L) / sqrt(L)). An agent far behind the others and without
+    drafts keeps the step plain, however well the others would speculate (tokens per second would
+    widen); agents level with each other count alike, as without weights."""
+    T = {0: 1.0, 1: 1.1, 2: 1.2, 3: 1.3, 4: 1.4}
+    planner = WidthPlanner(4, times_of(T, agents=4))
+    quoting = [(0.9, 4), (0.9, 4), (0.9, 4), (0.2, 0)]
+    assert planner.choose(quoting, 4) == 4  # tokens per second: the three quoting agents pay
+    assert planner.choose(quoting, 4, left=[20, 20, 20, 60]) == 0  # the last one cannot quote
+    assert planner.choose(quoting, 4, left=[60, 40, 40, 20]) == 4  # the last one quotes
+    assert planner.choose(quoting[:3], 5, left=[20, 20, 20], rest=60) == 0  # one outside the list is last
+    level = [(0.6, 4), (0.3, 2), (0.5, 0), (0.9, 3)]
+    assert planner.best(level, 4, left=[30] * 4) == planner.best(level, 4)
+    # exactly the weighted sum over the measured T(w)
+    left = [25, 40, 12, 44]
+    weights, _ = finish_weights(left)
+    assert weights == pytest.approx([math.exp((n - 44) / math.sqrt(44)) for n in left])
+    score = {w: sum(g * expected_tokens(a, min(k, w)) for g, (a, k) in zip(weights, level)) / T[w] for w in T}
+    w, scores = planner.best(level, 4, left)
+    assert w == max(score, key=score.get)
+    assert scores == pytest.approx([score[w] for w in range(5)])
+
+
+def test_a_static_batch_forecasts_drafts_before_drafting():
+    """Once a static batch's planner turns plain, `plain_next` forecasts each agent's drafts from its
+    last drafting: an agent that found none is taken to find none, so the next steps are known plain
+    before drafting (pipelined) while the critical agent found nothing — where the bound of full
+    drafts (a batch with prompts waiting) drafts on every step."""
+    t = times_of({w: 1.0 + 0.1 * w for w in range(5)}, agents=4)
+    spec = Speculator(None, None, "cuda", times=t)
+    for key in range(4):
+        spec.add(key, [1], SpecConfig("prompt_lookup", 4))
+        spec._agents[key].length.acc, spec._agents[key].length.rej = 9.0, 1.0
+        found = key < 3  # agent 3 never finds a draft
+        spec._agents[key].drafter = type("D", (), {"propose": lambda self, ctx, k, f=found: [9] * k if f else []})()
+    limits = {0: 20, 1: 20, 2: 20, 3: 60}  # agent 3: far the most tokens left
+    assert max(map(len, spec.propose_all(limits, 4).values())) == 4  # tokens per second: widen
+    assert max(map(len, spec.propose_all(limits, 4, static=True).values())) == 0  # static: plain
+    assert spec.plain_next(limits, 4, static=True)  # forecast: agent 3 finds nothing again
+    assert not spec.plain_next(limits, 4)  # the bound: agent 3 might draft 4
+    spec._agents[3].found = True
+    assert not spec.plain_next(limits, 4, static=True)
+    assert Speculator._left({0: 5, 1: 9, 2: 2}, [0, 2]) == ([6, 3], 10)

@@ -252,8 +252,10 @@ def test_step_times_persist_across_calls_and_skip_captures(setup, monkeypatch):
     assert all(s < 0.25 for _, _, s in seen) and {w for _, w, _ in seen} == {0}
     assert times.estimate(len(PROMPTS), 0) is not None
     seen.clear()
+    # synchronous (pipelined=False: a pipelined call times its plain steps in stretches only,
+    # tests/spec/test_step_basis.py)
     pool.generate(doc, PROMPTS, max_new_tokens=10, speculative={"method": "prompt_lookup", "num_draft_tokens": 3,
-                                                                "min_ngram": 1})
+                                                                "min_ngram": 1}, pipelined=False)
     lg = pool.last_generate
     assert pool._docs[doc].step_times is times and seen and all(s < 0.25 for _, _, s in seen)
     # the first decode step captures every verify width of bucket 8 at once (2, 3, 4; 1 exists):

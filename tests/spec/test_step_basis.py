@@ -167,3 +167,52 @@ def test_engine_times_a_verify_step_with_its_drafting(monkeypatch):
              max_tokens=12, temperature=0)
     wide = [s for w, s in seen if w > 0]
     assert calls and wide and min(wide) >= SLOW
+
+
+def test_a_pipelined_call_times_t0_in_its_stretches_only(monkeypatch):
+    """In a pipelined speculative call the plain step the planner weighs verify steps against is the
+    stretches' period: a plain step run synchronously after drafting (the planner chose w = 0 with
+    the drafts in hand) is not timed as T(0). Stretches refused here, so every plain step of the
+    call is synchronous: none is timed, where a call with pipelined=False times them (drafts all
+    rejected, so that most steps are plain)."""
+    model, pool, doc = spec_pool(DOC)
+    monkeypatch.setattr(Speculator, "plain_next", lambda self, limits, agents=None, static=False: False)
+    add = Speculator.add
+
+    def add_wrong(self, key, prompt_ids, config):  # drafts always rejected: the planner turns plain
+        add(self, key, prompt_ids, config)
+        self._agents[key].drafter = type("D", (), {"propose": lambda self, ctx, k: [0] * k})()
+
+    monkeypatch.setattr(Speculator, "add", add_wrong)
+    observed = []
+    observe = Speculator.observe_step
+    monkeypatch.setattr(Speculator, "observe_step",
+                        lambda self, w, s, agents=None: (observed.append(w), observe(self, w, s, agents)))
+    # a fixed draft cost: the planner's widths do not hang on this machine's timings
+    spec = {"method": "prompt_lookup", "num_draft_tokens": 3, "min_ngram": 1, "cost_per_draft": 0.3}
+    for pipelined in (True, False):
+        observed.clear()
+        pool.generate(doc, PROMPTS, max_new_tokens=24, speculative=spec, pipelined=pipelined)
+        st = pool.last_generate["speculative"]
+        assert st["widths"].get(0, 0) >= 5 and st["pipelined_steps"] == 0
+        assert (0 in observed) is not pipelined, (pipelined, observed)
+
+
+def test_the_planner_is_told_when_a_batch_is_static(monkeypatch):
+    """`generate(max_batch=)`: while prompts wait to join, the planner maximises tokens per second
+    (static=False); once every prompt has joined, the batch's finish (static=True)."""
+    model, pool, doc = spec_pool(DOC)
+    calls = []
+    propose_all = Speculator.propose_all
+
+    def spy(self, limits, agents=None, static=False):
+        calls.append(static)
+        return propose_all(self, limits, agents, static)
+
+    monkeypatch.setattr(Speculator, "propose_all", spy)
+    pool.generate(doc, PROMPTS, max_new_tokens=6, max_batch=3, speculative="prompt_lookup:3")
+    assert False in calls and calls[-1] is True
+    assert calls == sorted(calls)  # waiting, then static: prompts only ever stop waiting
+    calls.clear()
+    pool.generate(doc, PROMPTS, max_new_tokens=6, speculative="prompt_lookup:3")
+    assert calls and all(calls)
