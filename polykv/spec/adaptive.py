@@ -25,8 +25,9 @@ tokens by how likely it is to be the last one (`finish_weights`: exp((left_i - L
 the tokens agent i may still emit, L the most of any agent): agents near the longest answer count
 fully, those far ahead hardly at all. The softness is on purpose: the last agent is not settled
 while much is left, and on the CPU a planner that counted the longest answer alone (the steps it
-still needs at each width) widened too rarely — 47 steps to the plain sum's 42–43 for the
-quoting bench's 64 tokens (session 22, 2 cores, 4 agents; 1.26–1.27× against 1.28–1.37×). Before
+still needs at each width) widened too rarely: 47 steps for the quoting bench's 64 tokens against
+39–46 for the unweighted sum and 42–45 for the weighting (session 22, 2 cores, 4 agents;
+BENCHMARKS §8.14). Before
 drafting, `plain_ahead` needs each agent's drafts ahead of time: in a static batch it forecasts them
 (an agent whose last drafting found nothing is taken to find nothing again) rather than bounding
 them, since a bound of full drafts for everyone nearly always calls for drafting, and a step

@@ -1,0 +1,85 @@
+"""Host time of one CUDA graph launch (`CUDAGraph.replay`) for a graph of bf16 linears of
+SmolLM2-135M's widths (30 layers x q, k, v, o, gate, up, down), by the rows M each linear multiplies:
+does the GEMM kernel cuBLAS picks per M change what launching the graph costs the host?
+
+    PYTHONPATH=. python3 polykv/bench/graph_launch.py [--rows 8,16,24,32,64,96,128]
+
+Why (BENCHMARKS §8.14): a verify step's graph (agents x (drafts + 1) query rows) took 0.45-0.49 ms of
+host time per replay on an H100 against 0.12-0.17 ms for a plain step's (agents rows), though both
+hold about the same number of kernels. Per M: the median host time of `replay()` (no sync) and of
+replay + sync over 50 launches, and the GEMM kernels the graph holds (profiled). CUDA only. Writes
+graph_launch.json under $OUT (or --out).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import time
+
+import torch
+
+# (out, in) of one SmolLM2-135M layer's linears: q, k, v, o, gate, up, down
+SHAPES = [(576, 576), (192, 576), (192, 576), (576, 576), (1536, 576), (1536, 576), (576, 1536)]
+
+
+def launch_times(rows: int, layers: int = 30, launches: int = 60) -> dict:
+    """{host_ms, wall_ms, kernels} of a captured graph of `layers` x SHAPES linears at `rows` rows."""
+    from torch.profiler import ProfilerActivity, profile
+
+    dev = "cuda"
+    weights = [[torch.randn(o, i, device=dev, dtype=torch.bfloat16) for o, i in SHAPES] for _ in range(layers)]
+    x = {i: torch.randn(rows, i, device=dev, dtype=torch.bfloat16) for i in {i for _, i in SHAPES}}
+
+    def body():
+        for layer in weights:
+            for w in layer:
+                torch.nn.functional.linear(x[w.shape[1]], w)
+
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):  # cuBLAS workspaces and heuristics settled before capture
+        for _ in range(3):
+            body()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        body()
+    torch.cuda.synchronize()
+    host, wall = [], []
+    for _ in range(launches):
+        t0 = time.perf_counter()
+        graph.replay()
+        t1 = time.perf_counter()
+        torch.cuda.synchronize()
+        host.append((time.perf_counter(), t1, t0))
+    host_ms = [(t1 - t0) * 1e3 for _, t1, t0 in host[10:]]
+    wall_ms = [(t2 - t0) * 1e3 for t2, _, t0 in host[10:]]
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        graph.replay()
+        torch.cuda.synchronize()
+    kernels = sorted({e.name for e in prof.events() if e.device_type.name == "CUDA"})
+    return dict(host_ms=statistics.median(host_ms), wall_ms=statistics.median(wall_ms), kernels=kernels)
+
+
+def main(argv=None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--rows", default="8,16,24,32,64,96,128")
+    ap.add_argument("--out", default=os.environ.get("OUT", "."))
+    a = ap.parse_args(argv)
+    if not torch.cuda.is_available():
+        raise SystemExit("graph_launch.py needs CUDA")
+    res = {}
+    for m in (int(r) for r in a.rows.split(",") if r):
+        res[m] = launch_times(m)
+        print(f"M {m:4d}: replay host {res[m]['host_ms']:.3f} ms, replay + sync {res[m]['wall_ms']:.3f} ms, "
+              f"kernels {[k[:40] for k in res[m]['kernels']]}")
+    res = dict(rows=res, device=torch.cuda.get_device_name(), torch=torch.__version__, date=time.strftime("%Y-%m-%d"))
+    with open(os.path.join(a.out, "graph_launch.json"), "w") as f:
+        json.dump(res, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
