@@ -29,6 +29,8 @@ def launch_times(rows: int, layers: int = 30, launches: int = 60) -> dict:
     """{host_ms, wall_ms, kernels} of a captured graph of `layers` x SHAPES linears at `rows` rows."""
     from torch.profiler import ProfilerActivity, profile
 
+    from .attention import graphed
+
     dev = "cuda"
     weights = [[torch.randn(o, i, device=dev, dtype=torch.bfloat16) for o, i in SHAPES] for _ in range(layers)]
     x = {i: torch.randn(rows, i, device=dev, dtype=torch.bfloat16) for i in {i for _, i in SHAPES}}
@@ -38,27 +40,18 @@ def launch_times(rows: int, layers: int = 30, launches: int = 60) -> dict:
             for w in layer:
                 torch.nn.functional.linear(x[w.shape[1]], w)
 
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):  # cuBLAS workspaces and heuristics settled before capture
-        for _ in range(3):
-            body()
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        body()
-    torch.cuda.synchronize()
-    host, wall = [], []
+    replay = graphed(body)  # warmed up on a side stream: cuBLAS settled before the capture
+    host = []
     for _ in range(launches):
         t0 = time.perf_counter()
-        graph.replay()
+        replay()
         t1 = time.perf_counter()
         torch.cuda.synchronize()
         host.append((time.perf_counter(), t1, t0))
     host_ms = [(t1 - t0) * 1e3 for _, t1, t0 in host[10:]]
     wall_ms = [(t2 - t0) * 1e3 for t2, _, t0 in host[10:]]
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        graph.replay()
+        replay()
         torch.cuda.synchronize()
     kernels = sorted({e.name for e in prof.events() if e.device_type.name == "CUDA"})
     return dict(host_ms=statistics.median(host_ms), wall_ms=statistics.median(wall_ms), kernels=kernels)
