@@ -29,7 +29,7 @@ def launch_times(rows: int, layers: int = 30, launches: int = 60) -> dict:
     """{host_ms, wall_ms, kernels} of a captured graph of `layers` x SHAPES linears at `rows` rows."""
     from torch.profiler import ProfilerActivity, profile
 
-    from .attention import graphed
+    from polykv.bench.attention import graphed
 
     dev = "cuda"
     weights = [[torch.randn(o, i, device=dev, dtype=torch.bfloat16) for o, i in SHAPES] for _ in range(layers)]
