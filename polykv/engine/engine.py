@@ -35,7 +35,11 @@ removed and that step's token for it is never read or emitted. The events of eve
 the synchronous loop's (tests/engine/test_pipelined.py). Speculating batches (drafts depend on the
 ids just read), batches without a device path (DenseBatch) and ``pipelined=False`` run the
 synchronous ``step_tokens`` + ``feed`` loop; a pipelined batch that a speculating request joins
-reads its step in flight and goes on synchronously. ``on_step`` / ``last_step_s`` of a pipelined
+reads its step in flight and goes on synchronously. Except in a speculating batch's plain
+stretches: when its width planner decides the next steps plain before drafting
+(`Speculator.plain_next`: backed off, or measuring T(0)), the batch decodes pipelined as a plain one
+while the planner approves each next step, then reads its step in flight and drafts again — as
+`SharedKVPool.generate` does; the stretches' periods are the planner's plain step time T(0). ``on_step`` / ``last_step_s`` of a pipelined
 batch: once per step read, the seconds spent launching the next step and waiting for this one's ids
 (with one batch and a device running ahead: the step's period, not one step's device time).
 
@@ -269,6 +273,12 @@ class Engine:
         # speculating batches: key -> seconds of the host work that prepared the next step (`_apply`
         # after the last: rules, record, drafting, feed), timed with that step (spec/adaptive.py)
         self._prep: dict[Any, float] = {}
+        # speculating batches in a plain stretch (their planner decided the next steps plain before
+        # drafting: `Speculator.plain_next`), pipelined as plain batches are -> whether the launch after
+        # the first is approved already; `_clean`: the step in flight captured no graph and
+        # prefilled no prompt (its period is a plain step time of the planner)
+        self._stretch: dict[Any, bool] = {}
+        self._clean: dict[Any, bool] = {}
         self._live: dict[tuple, _Live] = {}  # (key, aid) -> state
         self._doc_users: dict[Any, int] = {}  # document -> live+waiting requests
         self._users_lock = threading.Lock()
@@ -461,6 +471,7 @@ class Engine:
             self._add_user(st.handle.request.document, -1)
             st.handle._put(Event("error", error=exc))
         self._ahead.clear()
+        self._stretch.clear()
         for key in list(self._batches):
             self._close_batch(self._batches.pop(key))
 
@@ -530,6 +541,7 @@ class Engine:
             self._close_batch(self._batches.pop(key))
             self._specs.pop(key, None)
             self._prep.pop(key, None)
+            self._stretch.pop(key, None)
             self._ahead.pop(key, None)  # its ids in flight belong to agents gone
 
     def _new_batch(self, key):
@@ -615,7 +627,9 @@ class Engine:
                     continue
             t1 = time.perf_counter()
             dt = t1 - t0
-            if spec is not None and timed:  # the step's whole host + device time, its preparation in
+            # the step's whole host + device time, its preparation in; a plain step of a batch that
+            # can pipeline is timed in its stretches only (T(0): what not speculating costs there)
+            if spec is not None and timed and (width > 0 or not self._can_pipeline(batch)):
                 spec.observe_step(width, prep + dt, agents=len(logits))
             self._stepped(dt, len(logits))
             self._apply(key, batch, logits)
@@ -639,13 +653,21 @@ class Engine:
                 if spec is not None and aid in spec:
                     limits[aid] = st.handle.request.params.max_tokens - len(st.tokens) - 1
         self._feed(key, batch, feed)
+        if limits:
+            self._draft(key, batch, spec, {a: n for a, n in limits.items() if a in feed}, len(feed))
+
+    def _draft(self, key, batch, spec, limits: dict, agents: int) -> None:
+        """The next step's drafts of the speculating agents in `limits` ({aid: drafts it may still
+        use}; their last token is pending in `batch`), cut to one width for the batch step
+        (`Speculator.propose_all`, as pool.generate) and queued. None (a plain step) that the planner
+        also approves the step after: the batch enters a plain stretch (`_stretch`) and decodes
+        pipelined from its next iteration, as `SharedKVPool.generate` does."""
         drafts: dict = {}
-        if limits:  # one draft width for the batch step (WidthPlanner), as pool.generate
-            try:
-                drafts = spec.propose_all({a: n for a, n in limits.items() if a in feed}, agents=len(feed))
-            except Exception:  # pragma: no cover - drafts are optional: go on without them
-                log.exception("drafting failed")
-        drafts = {a: d for a, d in drafts.items() if d and a in feed}
+        try:
+            drafts = spec.propose_all(limits, agents=agents)
+        except Exception:  # pragma: no cover - drafts are optional: go on without them
+            log.exception("drafting failed")
+        drafts = {a: d for a, d in drafts.items() if d and a in limits}
         if drafts:
             try:
                 batch.feed_drafts(drafts)
@@ -653,6 +675,8 @@ class Engine:
                     self._live[(key, a)].drafted = len(d)
             except Exception:  # pragma: no cover - drafts are optional: go on without them
                 log.exception("queueing drafts failed")
+        elif self._can_pipeline(batch) and spec.plain_next({a: n - 1 for a, n in limits.items()}, agents):
+            self._stretch[key] = True
 
     def _take(self, st: _Live, lg, spec) -> int | None:
         """One agent's output of a step (a token id, a list of them from `step_verify`, or logits to
@@ -701,11 +725,14 @@ class Engine:
         log.warning("step of batch %r failed (%s: %s); isolating the failing agent(s)",
                     key, type(exc).__name__, exc)
 
+    def _can_pipeline(self, batch) -> bool:
+        """A pipelined engine and a device-path batch with `step_tokens_ahead`."""
+        return self.pipelined and _device_path(batch) and hasattr(batch, "step_tokens_ahead")
+
     def _pipelines(self, key, batch) -> bool:
-        """Whether `batch` decodes one step ahead: a device-path batch with `step_tokens_ahead`,
-        without speculation (drafts depend on the ids just read), in a pipelined engine."""
-        return (self.pipelined and key not in self._specs and _device_path(batch)
-                and hasattr(batch, "step_tokens_ahead"))
+        """Whether `batch` decodes one step ahead (`_can_pipeline`): without speculation (drafts
+        depend on the ids just read) or in a speculating batch's plain stretch."""
+        return (key not in self._specs or key in self._stretch) and self._can_pipeline(batch)
 
     def _step_ahead(self, key, batch) -> None:
         """One iteration of a pipelined batch (`AgentBatch.step_tokens_ahead`, as
@@ -725,6 +752,7 @@ class Engine:
         batch's agents are isolated (`_isolate`: re-added with their history, stepped alone,
         synchronously; the batch pipelines again from its next iteration)."""
         ahead, spent = self._ahead.pop(key, (None, 0.0))
+        spec = self._specs.get(key) if key in self._stretch else None  # a speculating batch's plain stretch
         t0 = time.perf_counter()
         if ahead is not None:
             for aid in ahead.agents:
@@ -732,22 +760,52 @@ class Engine:
                 if st is not None and not st.left and len(st.tokens) + 1 >= st.handle.request.params.max_tokens:
                     batch.remove(aid)  # leaves before the launch: nothing of step t+1 is spent on it
                     st.left = True
+        launch = len(batch) > 0
+        if launch and spec is not None and ahead is not None:  # the stretch goes on while the planner says plain
+            approved, self._stretch[key] = self._stretch[key], False
+            launch = approved or spec.plain_next(self._stretch_limits(key, batch, ahead), len(batch))
         try:
-            nxt = batch.step_tokens_ahead() if len(batch) else None
+            captures = getattr(batch, "graph_captures", 0)
+            nxt = batch.step_tokens_ahead() if launch else None
+            clean = (nxt is not None and getattr(batch, "graph_captures", 0) == captures
+                     and all(self._live[(key, a)].tokens for a in nxt.agents if (key, a) in self._live))
             chosen = ahead.result() if ahead is not None else None
         except Exception as exc:
             self._recover(key, batch, exc, spent + time.perf_counter() - t0)
             return
-        dt = spent + time.perf_counter() - t0
+        t_read = time.perf_counter()
+        dt = spent + t_read - t0
         if chosen is not None:
+            if spec is not None and self._clean.get(key) and (nxt is None or clean):
+                spec.observe_step(0, dt, agents=len(chosen))  # T(0): a pipelined step's period
             self._stepped(dt, len(chosen))
             for aid in ahead.agents:
                 st = self._live.get((key, aid))
                 if st is not None:  # else cancelled or failed since the launch: its token is dropped
-                    self._take(st, chosen[aid], None)  # fed already (on the device): nothing to feed
+                    self._take(st, chosen[aid], spec)  # fed already (on the device): nothing to feed
             dt = 0.0
         if nxt is not None:
             self._ahead[key] = (nxt, dt)
+            self._clean[key] = clean
+        elif spec is not None:  # the stretch ends: the tokens just read are pending; draft after them
+            del self._stretch[key]
+            self._clean.pop(key, None)
+            limits = {a: n + 1 for a, n in self._stretch_limits(key, batch, ahead).items()} if ahead is not None else {}
+            if limits and key in self._specs:
+                self._draft(key, batch, spec, limits, len(batch))
+            self._prep[key] = time.perf_counter() - t_read
+
+    def _stretch_limits(self, key, batch, ahead) -> dict:
+        """{aid: drafts it may use after its token in flight} of the speculating agents of the step
+        in flight `ahead` still in `batch` (max_tokens - tokens so far - the one in flight - the one
+        every step emits)."""
+        spec = self._specs.get(key)
+        out = {}
+        for aid in ahead.agents:
+            st = self._live.get((key, aid))
+            if st is not None and not st.left and spec is not None and aid in spec and aid in batch:
+                out[aid] = st.handle.request.params.max_tokens - len(st.tokens) - 2
+        return out
 
     def _recover(self, key, batch, exc: BaseException, spent: float):
         """A pipelined launch or read raised: its step in flight (popped from `_ahead`) is dropped
@@ -823,6 +881,7 @@ class Engine:
             self._live.pop((key, st.aid), None)
             st.spec, st.drafted, st.left = None, 0, False  # re-added agents go on without speculation
         self._specs.pop(key, None)
+        self._stretch.pop(key, None)
         self._batches[key] = batch
         self._close_batch(failed)
         out: dict = {}

@@ -115,3 +115,40 @@ def test_engine_plans_one_width_per_batch_step(tiny, monkeypatch):
     assert [t for t, _, _ in spec] == [t for t, _, _ in plain]
     assert planners and not per_agent
     assert sum(planners[-1].widths.values()) > 0 and sum(u["speculative"]["drafted"] for _, _, u in spec) > 0
+
+
+def test_engine_plain_stretches_pipeline_a_speculating_batch(tiny, monkeypatch):
+    """When the width planner turns plain (every draft rejected here) a speculating engine batch
+    decodes pipelined (`AgentBatch.step_tokens_ahead`) while the planner approves plain steps, as
+    `SharedKVPool.generate` does, and drafts again when it stops approving them: the same text as
+    without speculation, the stretch steps counted (`pipelined_steps`) and timed as T(0)."""
+    from polykv.pool.agents import AgentBatch
+    from polykv.spec import Speculator
+
+    model, tok = tiny
+    pool = make_pool(model, tok)
+    doc = pool.add_document(DOC)
+    prompts = [pool.prompt_ids(doc, q) for q in ("Ships:", "The keeper", "whalers in 1911", "cape")]
+    add = Speculator.add
+
+    def add_wrong(self, key, prompt_ids, config):
+        add(self, key, prompt_ids, config)
+        self._agents[key].drafter = type("D", (), {"propose": lambda self, ctx, k: [0] * k})()
+
+    monkeypatch.setattr(Speculator, "add", add_wrong)
+    launches, observed = [], []
+    ahead = AgentBatch.step_tokens_ahead
+    monkeypatch.setattr(AgentBatch, "step_tokens_ahead", lambda self: (launches.append(1), ahead(self))[1])
+    observe = Speculator.observe_step
+    monkeypatch.setattr(Speculator, "observe_step",
+                        lambda self, w, s, agents=None: (observed.append(w), observe(self, w, s, agents)))
+    spec = SpecConfig(method="prompt_lookup", num_draft_tokens=3, cost_per_draft=0.3)
+    with row_invariant(model), Engine(pool) as eng:
+        plain = _run(eng, doc, prompts, None, max_tokens=40, temperature=0, ignore_eos=True)
+        launches.clear()
+        got = _run(eng, doc, prompts, spec, max_tokens=40, temperature=0, ignore_eos=True)
+    assert [t for t, _, _ in got] == [t for t, _, _ in plain]
+    assert len(launches) >= 10  # most of the 40 steps ran in stretches
+    assert 0 in observed and any(w > 0 for w in observed)  # stretch periods and verify steps timed
+    drafted = [u["speculative"]["drafted"] for _, _, u in got]
+    assert all(d > 0 for d in drafted) and max(drafted) < 40  # the probes drafted, the stretches did not
