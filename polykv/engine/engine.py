@@ -39,9 +39,10 @@ reads its step in flight and goes on synchronously. Except in a speculating batc
 stretches: when its width planner decides the next steps plain before drafting
 (`Speculator.plain_next`: backed off, or measuring T(0)), the batch decodes pipelined as a plain one
 while the planner approves each next step, then reads its step in flight and drafts again — as
-`SharedKVPool.generate` does; the stretches' periods are the planner's plain step time T(0). ``on_step`` / ``last_step_s`` of a pipelined
-batch: once per step read, the seconds spent launching the next step and waiting for this one's ids
-(with one batch and a device running ahead: the step's period, not one step's device time).
+`SharedKVPool.generate` does; the stretches' periods are the planner's plain step time T(0).
+``on_step`` / ``last_step_s`` of a pipelined batch: once per step read, the seconds spent launching
+the next step and waiting for this one's ids (with one batch and a device running ahead: the step's
+period, not one step's device time).
 
 Speculative decoding (``GenerationRequest.speculative``, a `polykv.spec.SpecConfig`; documents only):
 the batch's `Speculator` (one per document batch, over the pool's n-gram index and outputs tree of the

@@ -27,13 +27,13 @@ fully, those far ahead hardly at all. The softness is on purpose: the last agent
 while much is left, and on the CPU a planner that counted the longest answer alone (the steps it
 still needs at each width) widened too rarely: 47 steps for the quoting bench's 64 tokens against
 39–46 for the unweighted sum and 42–45 for the weighting (session 22, 2 cores, 4 agents;
-BENCHMARKS §8.14). Before
-drafting, `plain_ahead` needs each agent's drafts ahead of time: in a static batch it forecasts them
-(an agent whose last drafting found nothing is taken to find nothing again) rather than bounding
-them, since a bound of full drafts for everyone nearly always calls for drafting, and a step
-drafted and then kept plain runs synchronously instead of pipelined. Measured motive (H100, SmolLM2
-bf16, `polykv bench spec`, session 22): a static batch's verify steps brought 1.9–2.2 tokens per
-agent, yet the call took 62–64 steps against plain decoding's 64, each slower: 0.82–0.95×.
+BENCHMARKS §8.14). Before drafting, `plain_ahead` needs each agent's drafts ahead of time: in a
+static batch it forecasts them (an agent whose last drafting found nothing is taken to find nothing
+again) rather than bounding them, since a bound of full drafts for everyone nearly always calls for
+drafting, and a step drafted and then kept plain runs synchronously instead of pipelined. Measured
+motive (H100, SmolLM2 bf16, `polykv bench spec`, session 22): a static batch's verify steps brought
+1.9–2.2 tokens per agent, yet the calls took 52–64 steps against plain decoding's 64, each slower:
+0.82–0.95× for quoting.
 
 What T(w) covers (one basis for every width): the whole wall of one step of the loop that runs it,
 from the previous step's ids on the host to this step's — the host work that prepares its inputs
@@ -60,8 +60,9 @@ the speculative loop's own plain steps replace them as they run — in `SharedKV
 pipelined mode only its pipelined stretches' periods: a plain step of the loop is what the call runs
 instead of speculating, and once the planner turns plain that is a stretch (session 22, H100, 8
 agents: the loop's plain steps, synchronous and stretch ones together, had a median of 2.2 ms
-against a plain call's 1.8, so a width-3 step of 2.9 ms looked 1.3× a plain one where it cost 1.6×). Whether to speculate at all rather
-than decode plain and pipelined is the caller's choice: a speculative call that the planner keeps
+against a plain call's 1.8, so a width-3 step of 2.9 ms looked 1.3× a plain one where it cost
+1.6×); the engine times its speculating batches' plain steps the same way. Whether to speculate at
+all rather than decode plain and pipelined is the caller's choice: a speculative call that the planner keeps
 plain runs slower than a plain call on a GPU (the synchronous loop), by the host work it no longer
 overlaps.
 
