@@ -408,15 +408,21 @@ class AgentBatch:
             if a.pending:
                 (verifiers if a.drafts or (drafting and len(a.pending) == 1) else plain).append(a)
         plain_agents, ids = [], []
-        if plain:  # prompt prefills (and every decoder when nobody drafts): ids on the device
-            for group, gids in self._chosen(self._run_pending(plain)):
-                plain_agents += group
-                ids.append(gids)
-        keep, rows = 0, None
+        keep, rows, mixed = 0, None, None
         if verifiers:
             verifiers.sort(key=_slot)
             keep = max(map(_drafts, verifiers)) + 1
-            logits, greedy = self._forward(verifiers, keep=keep)  # [G, keep, vocab], [G, keep] or None
+            if plain and self._graphs is not None:
+                widest = max(len(a.pending) for a in plain)
+                if self._graphs.prefills(len(self._slots), widest):  # prompts join: one forward for all
+                    mixed = self._mixed(plain, verifiers, keep)
+        if plain:  # prompt prefills (and every decoder when nobody drafts): ids on the device
+            for group, gids in self._chosen(mixed[0] if mixed is not None else self._run_pending(plain)):
+                plain_agents += group
+                ids.append(gids)
+        if verifiers:
+            # [G, keep, vocab], [G, keep] or None
+            logits, greedy = mixed[1] if mixed is not None else self._forward(verifiers, keep=keep)
             drawn = [a.sampling is not None and a.sampling[0] for a in verifiers]
             if any(drawn):
                 rows = self._verify_drawn(verifiers, drawn, logits, keep)
@@ -425,6 +431,34 @@ class AgentBatch:
         pending = PendingVerify(self, plain_agents, verifiers, keep, rows, _copy_to_host(ids))
         self._verifying = pending
         return pending
+
+    def _mixed(self, plain: list[_Agent], verifiers: list[_Agent], keep: int):
+        """`launch_verify`'s forward when prompts join (several pending tokens each: `plain`) beside
+        agents that verify drafts (sorted by slot): one captured step (`DecodeGraphs.run_mixed`)
+        where two forwards would run, the prefill and the verify step. Returns ([(prompts, their
+        last column's logits [P, vocab], greedy ids [P])] as `_run_pending`, (the verifiers' logits
+        [G, keep, vocab], greedy ids [G, keep]) as `_forward(verifiers, keep)`)."""
+        columns: list[list[int]] = [[] for _ in self._slots]
+        for a in plain + verifiers:
+            columns[a.slot] = a.pending
+        try:
+            logits, greedy = self._graphs.run_mixed(columns, keep, self._fb)
+        except BaseException:
+            self._failed = True  # as `_forward`: storage and graphs of a failed forward are not handed on
+            raise
+        group = sorted(plain, key=_slot)
+        dev = logits.device
+        rows = torch.tensor([a.slot for a in group], dtype=torch.long, device=dev)
+        prompts = (group, logits[rows, -1], greedy[rows, -1])
+        for a in group:
+            a.tokens.extend(a.pending)
+            a.pending = []
+        if verifiers[-1].slot == len(verifiers) - 1:  # slots 0..G-1: a view
+            mine = slice(0, len(verifiers))
+        else:
+            mine = torch.tensor([a.slot for a in verifiers], dtype=torch.long, device=dev)
+        self.peak_bytes = max(self.peak_bytes, self.cache.nbytes())
+        return [prompts], (logits[mine], greedy[mine])
 
     def _verify_drawn(self, verifiers: list[_Agent], drawn: list[bool], logits: torch.Tensor, keep: int) -> list[list[int]]:
         """step_verify's token choice when some agent samples: per agent its chosen ids of its own

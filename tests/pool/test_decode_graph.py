@@ -540,3 +540,73 @@ def test_captured_prefill_step_on_cuda(monkeypatch):
         assert w.keys() == g.keys()
         for a in w:
             torch.testing.assert_close(g[a].float(), w[a].float(), rtol=0.05, atol=0.05)
+
+
+@pytest.mark.gpu
+def test_captured_mixed_step_on_cuda(monkeypatch):
+    """On CUDA a step where a prompt joins agents that verify drafts is one captured mixed step
+    (`run_mixed`): the verifiers' logits of the kept columns equal the separate verify step's
+    (`run_columns`, with the joiner prefilled apart: PREFILL_MAX 0) within bf16 tolerance."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    cfg = LlamaConfig(vocab_size=256, hidden_size=128, intermediate_size=256, num_hidden_layers=2,
+                      num_attention_heads=2, num_key_value_heads=1, head_dim=64, max_position_embeddings=2048)
+    model = LlamaForCausalLM(cfg).to("cuda", torch.bfloat16).eval()
+    assert _mixed_against_columns(model, monkeypatch) == ("run_mixed", "run_columns")
+
+
+def test_mixed_step_equals_the_verify_step(monkeypatch):
+    """The mixed step's logic on the CPU (static steps, capture=False): `test_captured_mixed_step_on_cuda`'s
+    comparison in float32."""
+    import functools
+
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from polykv.pool import decode_graph
+
+    monkeypatch.setattr(decode_graph, "graphs_supported", lambda cache: True)
+    monkeypatch.setattr(decode_graph, "DecodeGraphs", functools.partial(decode_graph.DecodeGraphs, capture=False))
+    torch.manual_seed(0)
+    cfg = LlamaConfig(vocab_size=256, hidden_size=128, intermediate_size=256, num_hidden_layers=2,
+                      num_attention_heads=2, num_key_value_heads=1, head_dim=64, max_position_embeddings=2048)
+    assert _mixed_against_columns(LlamaForCausalLM(cfg).eval(), monkeypatch) == ("run_mixed", "run_columns")
+
+
+def _mixed_against_columns(model, monkeypatch) -> tuple[str, str]:
+    """Run a verify step that a prompt joins twice — with the mixed step, then with prefill steps
+    off — and compare the verifiers' logits (3 agents; drafts 2 and 1, the third plain). Returns
+    the step function each run used."""
+    from polykv.pool import decode_graph
+
+    cls = getattr(decode_graph.DecodeGraphs, "func", decode_graph.DecodeGraphs)  # static_steps: a partial
+    pool = SharedKVPool(model, None, k="q8_0", v="turbo3", progress=False, recent=4)
+    doc = pool.add_document(list(range(3, 250)) * 4)
+    pool.max_parked_batches = 0  # each batch its own steps
+    seen = []
+    for name in ("run_mixed", "run_columns"):
+        fn = getattr(cls, name)
+
+        def spy(self, *a, _fn=fn, _name=name, **kw):
+            out = _fn(self, *a, **kw)
+            seen.append((_name, out[0].float().clone()))
+            return out
+
+        monkeypatch.setattr(cls, name, spy)
+
+    def run():
+        seen.clear()
+        with pool.open_batch(doc, capacity=4, seq_capacity=64) as b:
+            b.expect_drafts(3)
+            aids = [b.add(p) for p in ([5, 6, 7], [8, 9], [10, 11, 12, 13])]
+            b.step_tokens()
+            b.feed({a: 60 for a in aids}, {aids[0]: [70, 71], aids[1]: [73]})  # keep 3 of the 4 columns captured
+            b.add(list(range(30, 50)))  # joins the verify step
+            b.step_verify()
+        return seen[-1]
+
+    got = run()
+    monkeypatch.setattr(decode_graph, "PREFILL_MAX", 0)
+    want = run()
+    torch.testing.assert_close(got[1][:3], want[1][:3], rtol=0.05, atol=0.05)
+    return got[0], want[0]

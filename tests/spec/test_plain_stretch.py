@@ -106,3 +106,30 @@ def test_prompts_joining_a_stretch_leave_the_decoders_in_slots_0_to_n(setup, sta
     assert lg["answer_ids"] == plain and lg["speculative"]["pipelined_steps"] > 0
     assert len({len(a) for a in plain}) >= 3  # the agents leave at different steps
     assert groups and all(groups), f"{groups.count(False)} of {len(groups)} forwards not in slots 0..n-1"
+
+
+def test_prompts_joining_verifying_agents_take_one_forward(setup, static_steps, monkeypatch):
+    """Continuous batching with drafts every step (fixed length): a step where prompts join agents
+    that verify drafts runs one captured mixed step (`DecodeGraphs.run_mixed`: the prompts' prefill
+    and the verification together) instead of the prefill step and then the verify step — the same
+    answers as plain decoding, greedy and sampled (joins where no agent has drafts take the prefill
+    step alone, as before)."""
+    from polykv.pool import decode_graph
+
+    DecodeGraphs = decode_graph.DecodeGraphs.func  # static_steps made it a partial (capture=False)
+    model, pool, doc = setup
+    calls = {"mixed": 0}
+    mixed = DecodeGraphs.run_mixed
+    monkeypatch.setattr(DecodeGraphs, "run_mixed",
+                        lambda self, *a, **kw: (calls.__setitem__("mixed", calls["mixed"] + 1), mixed(self, *a, **kw))[1])
+    fixed = {"method": "prompt_lookup", "num_draft_tokens": 3, "adaptive": False, "min_ngram": 1}
+    prompts = [p for p in PROMPTS if len(p) > 1] * 2
+    for kw in (dict(), dict(temperature=0.9, top_p=0.95, seed=7)):
+        kw.update(max_new_tokens=12, max_batch=4)
+        with row_invariant(model):
+            pool.generate(doc, prompts, **kw)
+            plain = pool.last_generate["answer_ids"]
+            calls.update(mixed=0)
+            pool.generate(doc, prompts, speculative=fixed, **kw)
+        assert pool.last_generate["answer_ids"] == plain
+        assert calls["mixed"] >= 3  # joins beside verifying agents: one forward each
