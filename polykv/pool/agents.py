@@ -415,9 +415,9 @@ class AgentBatch:
             if plain and self._graphs is not None:
                 widest = max(len(a.pending) for a in plain)
                 if self._graphs.prefills(len(self._slots), widest):  # prompts join: one forward for all
-                    mixed = self._mixed(plain, verifiers, keep)
+                    mixed = self._prefill(plain, verifiers, keep)
         if plain:  # prompt prefills (and every decoder when nobody drafts): ids on the device
-            for group, gids in self._chosen(mixed[0] if mixed is not None else self._run_pending(plain)):
+            for group, gids in self._chosen([mixed[0]] if mixed is not None else self._run_pending(plain)):
                 plain_agents += group
                 ids.append(gids)
         if verifiers:
@@ -431,34 +431,6 @@ class AgentBatch:
         pending = PendingVerify(self, plain_agents, verifiers, keep, rows, _copy_to_host(ids))
         self._verifying = pending
         return pending
-
-    def _mixed(self, plain: list[_Agent], verifiers: list[_Agent], keep: int):
-        """`launch_verify`'s forward when prompts join (several pending tokens each: `plain`) beside
-        agents that verify drafts (sorted by slot): one captured step (`DecodeGraphs.run_mixed`)
-        where two forwards would run, the prefill and the verify step. Returns ([(prompts, their
-        last column's logits [P, vocab], greedy ids [P])] as `_run_pending`, (the verifiers' logits
-        [G, keep, vocab], greedy ids [G, keep]) as `_forward(verifiers, keep)`)."""
-        columns: list[list[int]] = [[] for _ in self._slots]
-        for a in plain + verifiers:
-            columns[a.slot] = a.pending
-        try:
-            logits, greedy = self._graphs.run_mixed(columns, keep, self._fb)
-        except BaseException:
-            self._failed = True  # as `_forward`: storage and graphs of a failed forward are not handed on
-            raise
-        group = sorted(plain, key=_slot)
-        dev = logits.device
-        rows = torch.tensor([a.slot for a in group], dtype=torch.long, device=dev)
-        prompts = (group, logits[rows, -1], greedy[rows, -1])
-        for a in group:
-            a.tokens.extend(a.pending)
-            a.pending = []
-        if verifiers[-1].slot == len(verifiers) - 1:  # slots 0..G-1: a view
-            mine = slice(0, len(verifiers))
-        else:
-            mine = torch.tensor([a.slot for a in verifiers], dtype=torch.long, device=dev)
-        self.peak_bytes = max(self.peak_bytes, self.cache.nbytes())
-        return [prompts], (logits[mine], greedy[mine])
 
     def _verify_drawn(self, verifiers: list[_Agent], drawn: list[bool], logits: torch.Tensor, keep: int) -> list[list[int]]:
         """step_verify's token choice when some agent samples: per agent its chosen ids of its own
@@ -506,7 +478,7 @@ class AgentBatch:
         todo = [a for a in (self._agents.values() if agents is None else agents) if a.pending]
         widest = max((len(a.pending) for a in todo), default=0)
         if self._graphs is not None and widest > 1 and self._graphs.prefills(len(self._slots), widest):
-            return [self._prefill(todo)]
+            return [self._prefill(todo)[0]]
         done = []
         for group in ([a for a in todo if len(a.pending) == 1], [a for a in todo if len(a.pending) > 1]):
             if group:
@@ -519,18 +491,34 @@ class AgentBatch:
         self.peak_bytes = max(self.peak_bytes, self.cache.nbytes())
         return done
 
-    def _prefill(self, todo: list[_Agent]) -> tuple[list[_Agent], torch.Tensor, torch.Tensor]:
+    def _prefill(self, todo: list[_Agent], verifiers: list[_Agent] = (), keep: int = 0):
         """`_run_pending`'s forward on the captured prefill step (`DecodeGraphs.run_prefill`): the
         agents of `todo` feed their pending tokens, every other agent of the batch waits (padding);
-        one forward where the eager path runs two (decoders, then the several-token feeds)."""
+        one forward where the eager path runs two (decoders, then the several-token feeds).
+        verifiers (sorted by slot; `launch_verify`, prompts joining them): agents that verify drafts
+        in the same step (`DecodeGraphs.run_mixed`), one forward where a prefill step and a verify
+        step would run. Returns ((todo by slot, their last column's logits [P, vocab], greedy ids
+        [P]), the verifiers' (logits [G, keep, vocab], greedy ids [G, keep]) as `_forward(verifiers,
+        keep)` gives them, or None)."""
         columns: list[list[int]] = [[] for _ in self._slots]
-        for a in todo:
+        for a in [*todo, *verifiers]:
             columns[a.slot] = a.pending
         try:
-            logits, greedy = self._graphs.run_prefill(columns, self._fb)
+            if verifiers:
+                logits, greedy = self._graphs.run_mixed(columns, keep, self._fb)
+            else:
+                logits, greedy = self._graphs.run_prefill(columns, self._fb)
         except BaseException:
             self._failed = True  # as `_forward`: storage and graphs of a failed forward are not handed on
             raise
+        verified = None
+        if verifiers:
+            if verifiers[-1].slot == len(verifiers) - 1:  # slots 0..G-1: a view
+                mine = slice(0, len(verifiers))
+            else:
+                mine = torch.tensor([a.slot for a in verifiers], dtype=torch.long, device=logits.device)
+            verified = logits[mine], greedy[mine]
+            logits, greedy = logits[:, -1], greedy[:, -1]  # the prompts' last column
         group = sorted(todo, key=_slot)
         if len(group) < len(columns):  # only the agents that fed: their rows
             rows = torch.tensor([a.slot for a in group], dtype=torch.long, device=logits.device)
@@ -539,7 +527,7 @@ class AgentBatch:
             a.tokens.extend(a.pending)
             a.pending = []
         self.peak_bytes = max(self.peak_bytes, self.cache.nbytes())
-        return group, logits, greedy
+        return (group, logits, greedy), verified
 
     def _forward(self, group: list[_Agent], keep: int = 0) -> tuple[torch.Tensor, torch.Tensor | None]:
         """One forward of `group` (left-padded). keep = 0: logits [G, vocab] of each agent's last

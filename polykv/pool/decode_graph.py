@@ -266,7 +266,7 @@ class DecodeGraphs:
         n = len(columns)
         self._peak = max(self._peak, n)
         B = bucket(n)
-        graphs = self._graphs if not keep else self._prefills if keep == 1 else self._mixed
+        graphs = self._family(keep)
         if (B, n_q) not in graphs and B < bucket(self._peak):
             # agents finished within this batch: a larger bucket captured for this width serves the
             # last steps (one capture saved); a batch that starts this small captures its own
@@ -342,6 +342,10 @@ class DecodeGraphs:
         lens[:n] = new
         return cap.out
 
+    def _family(self, keep: int) -> dict:
+        """The captured steps of a kind by `keep` (`_replay`): decode / verify, prefill, mixed."""
+        return self._graphs if not keep else self._prefills if keep == 1 else self._mixed
+
     def _fill_padding(self, h: torch.Tensor, n: int, scratch: int) -> None:
         """Padded rows: pad token, write to the scratch row, position doc_len - 1 (an empty suffix)."""
         if n < h.shape[1]:  # NumPy views: no tensor built per step while agents finish
@@ -388,7 +392,7 @@ class DecodeGraphs:
         else:
             step()  # allocates the outputs the later calls overwrite
         cap = _Captured(graph, step, hosts, inp, out)
-        (self._graphs if not keep else self._prefills if keep == 1 else self._mixed)[(B, n_q)] = cap
+        self._family(keep)[(B, n_q)] = cap
         self.captures += 1
         self.total_captures += 1
         return cap

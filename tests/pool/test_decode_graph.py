@@ -504,14 +504,9 @@ def test_captured_prefill_step_on_cuda(monkeypatch):
     """On CUDA the prefill step is a real captured graph: a batch's prompts and a prompt joining it
     two steps later get the logits of the eager prefill (bf16 tolerance), and the step was captured
     (`prefill_widths`)."""
-    from transformers import LlamaConfig, LlamaForCausalLM
-
     from polykv.pool import decode_graph
 
-    torch.manual_seed(0)
-    cfg = LlamaConfig(vocab_size=256, hidden_size=128, intermediate_size=256, num_hidden_layers=2,
-                      num_attention_heads=2, num_key_value_heads=1, head_dim=64, max_position_embeddings=2048)
-    model = LlamaForCausalLM(cfg).to("cuda", torch.bfloat16).eval()
+    model = _llama_2layers().to("cuda", torch.bfloat16)
     pool = SharedKVPool(model, None, k="q8_0", v="turbo3", progress=False, recent=4)
     doc = pool.add_document(list(range(3, 250)) * 4)
     prompts, joiner = [[5, 6, 7], [8, 9], list(range(10, 23))], list(range(30, 50))
@@ -547,12 +542,7 @@ def test_captured_mixed_step_on_cuda(monkeypatch):
     """On CUDA a step where a prompt joins agents that verify drafts is one captured mixed step
     (`run_mixed`): the verifiers' logits of the kept columns equal the separate verify step's
     (`run_columns`, with the joiner prefilled apart: PREFILL_MAX 0) within bf16 tolerance."""
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    torch.manual_seed(0)
-    cfg = LlamaConfig(vocab_size=256, hidden_size=128, intermediate_size=256, num_hidden_layers=2,
-                      num_attention_heads=2, num_key_value_heads=1, head_dim=64, max_position_embeddings=2048)
-    model = LlamaForCausalLM(cfg).to("cuda", torch.bfloat16).eval()
+    model = _llama_2layers().to("cuda", torch.bfloat16)
     assert _mixed_against_columns(model, monkeypatch) == ("run_mixed", "run_columns")
 
 
@@ -561,16 +551,21 @@ def test_mixed_step_equals_the_verify_step(monkeypatch):
     comparison in float32."""
     import functools
 
-    from transformers import LlamaConfig, LlamaForCausalLM
-
     from polykv.pool import decode_graph
 
     monkeypatch.setattr(decode_graph, "graphs_supported", lambda cache: True)
     monkeypatch.setattr(decode_graph, "DecodeGraphs", functools.partial(decode_graph.DecodeGraphs, capture=False))
+    assert _mixed_against_columns(_llama_2layers(), monkeypatch) == ("run_mixed", "run_columns")
+
+
+def _llama_2layers():
+    """A seeded 2-layer random Llama (head_dim 64, 2 q heads / 1 KV head, 256 tokens), float32 on the CPU."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
     torch.manual_seed(0)
     cfg = LlamaConfig(vocab_size=256, hidden_size=128, intermediate_size=256, num_hidden_layers=2,
                       num_attention_heads=2, num_key_value_heads=1, head_dim=64, max_position_embeddings=2048)
-    assert _mixed_against_columns(LlamaForCausalLM(cfg).eval(), monkeypatch) == ("run_mixed", "run_columns")
+    return LlamaForCausalLM(cfg).eval()
 
 
 def _mixed_against_columns(model, monkeypatch) -> tuple[str, str]:
