@@ -768,7 +768,7 @@ class Engine:
         try:
             captures = getattr(batch, "graph_captures", 0)
             nxt = batch.step_tokens_ahead() if launch else None
-            clean = (nxt is not None and getattr(batch, "graph_captures", 0) == captures
+            clean = (spec is not None and nxt is not None and getattr(batch, "graph_captures", 0) == captures
                      and all(self._live[(key, a)].tokens for a in nxt.agents if (key, a) in self._live))
             chosen = ahead.result() if ahead is not None else None
         except Exception as exc:
