@@ -78,6 +78,13 @@ def is_greedy(temperature: float | None, top_k: int | None = 0) -> bool:
 _M32 = 0xFFFF_FFFF
 
 
+def top_k_row(top_k: int | None) -> int:
+    """top_k as a sampling row stores it (int64): 0 (off) for None, <= 0, or more than any
+    vocabulary could hold (top-k over the whole vocabulary filters nothing)."""
+    k = int(top_k or 0)
+    return k if 0 < k < 2**31 else 0
+
+
 def _mul32(x: torch.Tensor, c: int) -> torch.Tensor:
     """(x * c) mod 2**32 for int64 x in [0, 2**32) without int64 overflow (16-bit halves of c)."""
     return (x * (c & 0xFFFF) + (((x * (c >> 16)) & 0xFFFF) << 16)) & _M32
@@ -172,7 +179,7 @@ class SamplingRows:
         seed = int(seed) & 0xFFFF_FFFF_FFFF_FFFF
         self.reserve(slot + 1)
         self.f[slot] = torch.tensor([float(temperature), float(top_p)])
-        self.i[slot] = torch.tensor([int(top_k or 0), seed & _M32, seed >> 32, int(start)])
+        self.i[slot] = torch.tensor([top_k_row(top_k), seed & _M32, seed >> 32, int(start)])
 
     def move(self, src: int, dst: int) -> None:
         self.f[dst] = self.f[src]
@@ -260,10 +267,10 @@ class Sampler:
     def __call__(self, logits: torch.Tensor) -> int:
         p = self.params
         dev = logits.device
-        ints = torch.tensor([[int(p.top_k or 0), self.seed & _M32, self.seed >> 32, self.index]], device=dev)
+        ints = torch.tensor([[top_k_row(p.top_k), self.seed & _M32, self.seed >> 32, self.index]], device=dev)
         tok = choose_tokens(logits.reshape(1, -1), torch.tensor([float(p.temperature)], device=dev),
                             torch.tensor([float(p.top_p)], device=dev), *ints.unbind(1),
-                            filtered=bool(p.top_k and p.top_k > 0) or p.top_p < 1.0)
+                            filtered=top_k_row(p.top_k) > 0 or p.top_p < 1.0)
         self.index += 1
         return int(tok[0])
 

@@ -201,6 +201,10 @@ class PagedRows:
         """Measured bytes of the pool (free pages and the scratch row included)."""
         return storage_bytes(self.tensors())
 
+    def page_bytes(self) -> int:
+        """Bytes one more page adds to the pool (its measured bytes per row × page_size)."""
+        return self.nbytes() // (self.n_pages * self.page_size + 1) * self.page_size
+
 
 def _broadcast(p: Packed, G: int) -> Packed:
     """[kv_heads, R, last] storage as a [G, kv_heads, R] destination with batch stride 0: the

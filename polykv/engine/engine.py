@@ -69,8 +69,10 @@ Failures stay with the request that caused them:
 Admission control: with a pool ``budget_bytes``, a request is refused with
 :class:`~polykv.errors.BudgetExceededError` when, after it is added to its batch, the measured KV
 bytes held (the pool's documents + live agent storage, ``memory_report()["kv_bytes_shared"] +
-["kv_bytes_agents"]``, + the dense plain batch) exceed the budget. Running agents are never cut:
-storage that grows during decoding can overshoot the budget until they finish.
+["kv_bytes_agents"]``, + the dense plain batch) + the bytes its batch's suffix pages must grow by to
+hold its prompt and ``max_tokens`` (`AgentBatch.growth_bytes`; free pages cost nothing) exceed the
+budget. Running agents are never cut: agents admitted together may share the same free pages in
+that count, so storage that grows during decoding can still overshoot the budget until they finish.
 """
 
 from __future__ import annotations
@@ -404,14 +406,16 @@ class Engine:
             used += int(plain.kv_bytes())
         return used, (int(budget) if budget is not None else None)
 
-    def check_budget(self, what: str = "this request") -> None:
-        """Raise BudgetExceededError when the measured KV bytes held exceed the pool's budget."""
+    def check_budget(self, what: str = "this request", extra: int = 0) -> None:
+        """Raise BudgetExceededError when the measured KV bytes held, + `extra` bytes about to be
+        allocated, exceed the pool's budget."""
         if getattr(self.pool, "budget_bytes", None) is None:
             return
         used, budget = self.kv_usage()
+        used += int(extra)
         if budget is not None and used > budget:
             raise BudgetExceededError(f"{what} would hold {used} bytes of KV memory; budget_bytes={budget} "
-                                      f"(documents + live agents)", used=used, budget=budget)
+                                      f"(documents + live agents + its own suffix pages)", used=used, budget=budget)
 
     # ------------------------------------------------------------------------------------------
     # engine thread
@@ -568,7 +572,9 @@ class Engine:
                 if batch is None:
                     batch = self._batches[key] = self._new_batch(key)
                 aid = batch.add(list(req.prompt_ids))
-                self.check_budget()
+                # its suffix pages are taken at its first step: count them (prompt + answer) now
+                grow = getattr(batch, "growth_bytes", None)
+                self.check_budget(extra=grow([len(req.prompt_ids) + req.params.max_tokens]) if grow else 0)
                 st = _Live(h, key, aid, frozenset() if req.params.ignore_eos else self.eos_ids)
                 _set_sampling(batch, aid, st)
                 if req.speculative is not None and key is not _PLAIN and hasattr(batch, "step_verify"):

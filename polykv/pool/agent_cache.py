@@ -149,6 +149,15 @@ class AgentCache(Cache):
             self.pages.add_pages(want - self.pages.n_pages)
         self.grow_storage()
 
+    def growth_bytes(self, rows: list[int]) -> int:
+        """Bytes the page pools would grow by if agents of rows[i] rows each joined now: 0 while
+        free pages hold them, else what `PageTable.ensure` adds (the missing pages, at least doubling
+        the pool) at every layer's measured bytes per page."""
+        missing = sum(self.pages.pages_for(r) for r in rows) - len(self.pages.free_pages)
+        if missing <= 0:
+            return 0
+        return max(missing, self.pages.n_pages) * sum(st.page_bytes() for st in self.store)
+
     def grow_storage(self) -> None:
         """Grow every layer's page pool to the page table's page count (after `pages.ensure`)."""
         if self.store[0].n_pages != self.pages.n_pages:

@@ -160,6 +160,12 @@ class AgentBatch:
         self._agents[aid] = _Agent(aid, slot, pending=ids)
         return aid
 
+    def growth_bytes(self, rows: list[int]) -> int:
+        """Bytes the suffix storage would grow by for agents of rows[i] suffix rows each
+        (`AgentCache.growth_bytes`): what admitting them costs beyond the bytes held now."""
+        self._check_open()
+        return self.cache.growth_bytes(rows)
+
     def reserve(self, rows: list[int]) -> None:
         """Allocate pages now for agents of rows[i] suffix rows each (prompt + new tokens), so
         that they grow without reallocating storage (which would also drop captured steps)."""

@@ -119,9 +119,66 @@ def request_id(request: Request) -> str | None:
     return request.scope.get("state", {}).get("request_id")
 
 
+_SIMPLE_TAGS = {"str", "int", "float", "bool", "none", "list", "dict"}
+_KINDS = {str: "str", int: "int", float: "float", bool: "bool", list: "list", dict: "dict", type(None): "none"}
+
+
+def _is_tag(part) -> bool:
+    """A union member's tag that pydantic puts in an error's location ('int', 'list[int]',
+    'function-after[_unicode(), str]'), not a field name or a list index."""
+    return isinstance(part, str) and ("[" in part or part in _SIMPLE_TAGS)
+
+
+def _tag_kind(tag: str) -> str:
+    """The JSON type a union member takes: 'function-after[_unicode(), str]' -> 'str', 'list[int]' -> 'list'."""
+    while tag.startswith("function-") and "()," in tag:
+        tag = tag[tag.index("(),") + 3:].strip()[:-1]
+    return tag.split("[", 1)[0]
+
+
 def _loc_param(loc) -> str | None:
-    parts = [str(p) for p in loc if p not in ("body", "query", "path", "header")]
+    parts = [str(p) for p in loc if p not in ("body", "query", "path", "header") and not _is_tag(p)]
     return ".".join(parts) or None
+
+
+def _message(err: dict) -> str:
+    return err.get("msg", "invalid request").removeprefix("Value error, ")
+
+
+def validation_problems(errs: list[dict]) -> list[tuple[str | None, str]]:
+    """(param, message) per problem of a pydantic error list, in order.
+
+    pydantic reports a union-typed field (``stop: str | list[str]``) once per member, each under the
+    member's tag ("stop.str: should be a valid string" for a list of 5 stops): the members are
+    grouped back into one problem of the field, told by the member of the value's own JSON type (a
+    list's "at most 4 items"), or, when the value fits none, as one message naming every member's
+    expectation ("should be a valid integer or a valid number")."""
+    groups: dict[tuple, list[dict]] = {}
+    for err in errs:
+        loc = tuple(err.get("loc", ()))
+        cut = next((i for i, p in enumerate(loc) if _is_tag(p)), None)
+        key = loc[:cut] if cut is not None else loc + (id(err),)
+        groups.setdefault(key, []).append(err)
+    problems = []
+    for key, group in groups.items():
+        tagged = [e for e in group if any(_is_tag(p) for p in e.get("loc", ()))]
+        if not tagged:
+            problems += [(_loc_param(e.get("loc", ())), _message(e)) for e in group]
+            continue
+        depth = len(key) + 1  # an error at the member's own level holds the field's value as its input
+        value = next((e.get("input") for e in tagged if len(e["loc"]) == depth), None)
+        kind = _KINDS.get(type(value))
+        member = {id(e): _tag_kind(e["loc"][len(key)]) for e in tagged}
+        fitting = [e for e in tagged if member[id(e)] == kind]
+        if fitting:
+            problems += [(_loc_param(e["loc"]), _message(e)) for e in fitting]
+            continue
+        wants = list(dict.fromkeys(_message(e) for e in tagged))
+        head = "Input should be "
+        msg = head + " or ".join(w.removeprefix(head) for w in wants) if all(w.startswith(head) for w in wants) \
+            else "; or ".join(wants)
+        problems.append((_loc_param(key), msg))
+    return problems
 
 
 def install_error_handlers(app) -> None:
@@ -132,13 +189,12 @@ def install_error_handlers(app) -> None:
     @app.exception_handler(RequestValidationError)
     async def _validation(request: Request, exc: RequestValidationError):
         errs = exc.errors()
-        first = errs[0] if errs else {}
-        if first.get("type") == "json_invalid":
+        if errs and errs[0].get("type") == "json_invalid":
             return APIError(400, "Could not parse the request body as JSON.", code="invalid_json").response()
-        param = _loc_param(first.get("loc", ()))
-        msg = first.get("msg", "invalid request")
-        if len(errs) > 1:
-            msg += f" (and {len(errs) - 1} more problem(s))"
+        problems = validation_problems(errs) or [(None, "invalid request")]
+        param, msg = problems[0]
+        if len(problems) > 1:
+            msg += f" (and {len(problems) - 1} more problem(s))"
         where = f" at '{param}'" if param else ""
         return APIError(400, f"Invalid request{where}: {msg}", param=param, code="invalid_value").response()
 

@@ -66,6 +66,18 @@ def _make_app(model=None, k="q8_0", v="turbo3", store=None, budget_bytes=None, i
     return create_app(pool, model_name=str(name), k=k, v=v, store=str(store) if store else None, **app_kw)
 
 
+def _log_to_stderr(level: str) -> None:
+    """polykv's own log lines (which model on which device, warnings) beside uvicorn's, in its format:
+    uvicorn configures only its own loggers."""
+    root = logging.getLogger("polykv")
+    if not root.handlers:
+        handler = logging.StreamHandler()
+        handler.setFormatter(logging.Formatter("%(levelname)s:     %(message)s"))
+        root.addHandler(handler)
+        root.propagate = False
+    root.setLevel(getattr(logging, level.upper(), logging.DEBUG))  # uvicorn's "trace": DEBUG
+
+
 def check_bind(host: str, api_key: str | None) -> bool:
     """Warn (log) when `host` is reachable from other machines and no API key is set. True if it warned."""
     try:
@@ -98,6 +110,7 @@ def serve(host: str = "127.0.0.1", port: int = 8000, model: str | None = None, k
     """
     import uvicorn
 
+    _log_to_stderr(log_level)
     api_key = api_key or os.environ.get("POLYKV_API_KEY") or None
     check_bind(host, api_key)
     app_kw = {"api_key": api_key}

@@ -4,11 +4,24 @@ from __future__ import annotations
 
 from typing import Annotated, Any, Literal, Union
 
-from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictFloat, StrictInt, StrictStr
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, StrictBool, StrictFloat, StrictInt, StrictStr
 
 __all__ = ["ChatMessage", "ChatRequest", "CompletionRequest", "DocumentRequest", "StreamOptions"]
 
 _Num = Union[StrictInt, StrictFloat]
+
+
+def _unicode(text: str) -> str:
+    # JSON may carry a lone UTF-16 surrogate ("\ud800"); Python keeps it in a str, which no tokenizer takes
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as exc:
+        raise ValueError(f"text is not valid Unicode: a lone surrogate {text[exc.start]!r} at character {exc.start}") \
+            from None
+    return text
+
+
+_Text = Annotated[StrictStr, AfterValidator(_unicode)]  # text the tokenizer reads
 
 
 class _Body(BaseModel):
@@ -29,7 +42,7 @@ class _Sampling(_Body):
     n: StrictInt | None = Field(1, description="Only 1 is supported.")
     stream: StrictBool | None = False
     stream_options: StreamOptions | None = None
-    stop: StrictStr | Annotated[list[StrictStr], Field(max_length=4)] | None = None
+    stop: _Text | Annotated[list[_Text], Field(max_length=4)] | None = None
     seed: StrictInt | None = None
     presence_penalty: _Num | None = Field(None, ge=-2, le=2)
     frequency_penalty: _Num | None = Field(None, ge=-2, le=2)
@@ -41,7 +54,7 @@ class _Sampling(_Body):
 
 
 class CompletionRequest(_Sampling):
-    prompt: StrictStr | list[StrictInt] | list[StrictStr] = Field(
+    prompt: _Text | list[StrictInt] | list[_Text] = Field(
         ..., description="A string, a list with one string, or a list of token ids.")
     echo: StrictBool | None = False
     logprobs: StrictInt | None = None
@@ -50,12 +63,12 @@ class CompletionRequest(_Sampling):
 
 class _ContentPart(_Body):
     type: Literal["text"]
-    text: StrictStr
+    text: _Text
 
 
 class ChatMessage(_Body):
     role: Literal["system", "developer", "user", "assistant"]
-    content: StrictStr | list[_ContentPart] | None = None
+    content: _Text | list[_ContentPart] | None = None
     name: StrictStr | None = None
 
 
@@ -66,7 +79,7 @@ class ChatRequest(_Sampling):
 
 
 class DocumentRequest(_Body):
-    text: StrictStr = Field(..., min_length=1, description="Document text (the shared prefix).")
+    text: _Text = Field(..., min_length=1, description="Document text (the shared prefix).")
     name: StrictStr | None = Field(None, max_length=200)
 
 

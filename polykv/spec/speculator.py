@@ -84,6 +84,9 @@ class SpecConfig:
             return cls()
         if isinstance(obj, str):
             method, _, k = obj.partition(":")
+            if k and not k.strip().isdigit():
+                raise ValueError(f"the draft length after ':' must be an integer, got {obj!r} "
+                                 f"(e.g. \"prompt_lookup:4\")")
             return cls(method=method or "prompt_lookup", **({"num_draft_tokens": int(k)} if k else {}))
         if isinstance(obj, dict):
             unknown = set(obj) - set(cls.__dataclass_fields__)

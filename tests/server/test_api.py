@@ -163,3 +163,19 @@ def test_disconnect_non_streaming_cancels_agent(server, doc):
         time.sleep(0.1)
     assert httpx.get(server.url + "/v1/status").json()["live_agents"] == 0
     assert engine.tokens_generated - before < 700  # stopped early, not run to max_tokens
+
+
+def test_usage_counts_the_document_as_cached_prompt_tokens(server, doc):
+    body = {"prompt": "Ships:", "max_tokens": 3, "temperature": 0}
+    plain = httpx.post(server.url + "/v1/completions", json=body).json()["usage"]
+    over = httpx.post(server.url + "/v1/completions", json=dict(body, document=doc["id"])).json()["usage"]
+    own = plain["prompt_tokens"]
+    assert plain["prompt_tokens_details"] == {"cached_tokens": 0}
+    assert over["prompt_tokens_details"] == {"cached_tokens": doc["tokens"]}
+    assert over["prompt_tokens"] >= doc["tokens"] + 1
+    assert over["total_tokens"] == over["prompt_tokens"] + over["completion_tokens"]
+    lines = [ln for ln in httpx.post(server.url + "/v1/completions", json=dict(
+        body, document=doc["id"], stream=True, stream_options={"include_usage": True})).text.splitlines()
+        if ln.startswith("data: {")]
+    assert json.loads(lines[-1][6:])["usage"] == over
+    assert own > 0

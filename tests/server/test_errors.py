@@ -1,5 +1,6 @@
 """Every bad input is a 4xx in OpenAI's error shape; none disturbs other requests."""
 
+import json
 import threading
 import time
 
@@ -153,3 +154,73 @@ def test_queue_full_is_429(tiny):
         r = httpx.post(srv.url + "/v1/completions", json={"prompt": "x", "max_tokens": 2})
         _assert_error(r, 429, "queue_full")
         assert "retry-after" in r.headers
+
+
+@pytest.mark.parametrize("path,body,param,words", [
+    # a union-typed field is one problem of the field, told by the member of the value's own type
+    ("/v1/completions", {"prompt": "x", "stop": ["a", "b", "c", "d", "e"]}, "stop", "at most 4"),
+    ("/v1/completions", {"prompt": "x", "temperature": "0.5"}, "temperature", "valid integer or a valid number"),
+    ("/v1/completions", {"prompt": "x", "speculative": 5}, "speculative", "string or a valid dictionary"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": [{"type": "image_url"}]}]},
+     "messages.0.content.0.type", "'text'"),
+    # a lone UTF-16 surrogate is no text a tokenizer takes
+    ("/v1/completions", {"prompt": "\ud800 hi"}, "prompt", "lone surrogate"),
+    ("/v1/completions", {"prompt": "hi", "stop": ["a", "\udfff"]}, "stop.1", "lone surrogate"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "\udfff"}]}, "messages.0.content",
+     "lone surrogate"),
+    ("/v1/documents", {"text": "abc \ud800 def"}, "text", "unicode string"),  # pydantic's own check (min_length)
+])
+def test_validation_names_the_field_and_the_problem(server, doc_id, path, body, param, words):
+    raw = json.dumps(body)  # ASCII: a lone surrogate travels as its "\\ud800" escape, as a client sends it
+    err = _assert_error(httpx.post(server.url + path, content=raw, headers={"content-type": "application/json"}),
+                        400, "invalid_value")
+    assert err["param"] == param, err
+    assert words in err["message"] and ".str" not in err["message"] and "Value error" not in err["message"], err
+    assert httpx.post(server.url + "/v1/completions", json={"prompt": "x", "max_tokens": 2}).status_code == 200
+
+
+def test_top_k_beyond_any_vocabulary_is_off(server, doc_id):
+    base = {"prompt": "Ships", "max_tokens": 4, "temperature": 0.8, "seed": 3, "document": doc_id}
+    off = httpx.post(server.url + "/v1/completions", json=dict(base, top_k=0))
+    for k in (2**63, 2**70):
+        r = httpx.post(server.url + "/v1/completions", json=dict(base, top_k=k))
+        assert r.status_code == 200, r.text
+        assert r.json()["choices"][0]["text"] == off.json()["choices"][0]["text"]
+
+
+@pytest.mark.parametrize("body,words", [
+    ({"speculative": {"method": "medusa"}}, "unknown speculative method"),
+    ({"speculative": "prompt_lookup:abc"}, "must be an integer"),
+    ({"speculative": "draft_model"}, "not available over HTTP"),
+    ({"speculative": {"method": "prompt_lookup"}}, "give `document`"),
+])
+def test_speculative_without_a_document_is_checked(server, body, words):
+    err = _assert_error(httpx.post(server.url + "/v1/completions", json=dict(body, prompt="x", max_tokens=2)),
+                        400, "invalid_value")
+    assert err["param"] == "speculative" and words in err["message"], err
+
+
+def test_agent_pages_count_at_admission(tiny):
+    """A request whose own suffix pages would take the pool over its budget is refused at admission
+    (the pages are allocated only at its first step); one that fits is served."""
+    model, tok = tiny
+    probe = make_pool(model, tok)
+    if not hasattr(probe, "_doc_tokens"):
+        pytest.skip("the shared pool is not importable")
+    doc = probe.add_document(DOC_TEXT)
+    batch = probe.open_batch(doc)
+    need = batch.growth_bytes([3 + 64])  # a 3-token prompt + 64 new tokens
+    batch.close()
+    held = probe.memory_report()["kv_bytes_shared"]
+    assert need > 0
+    for budget, status in ((held + need // 2, 429), (held + need + 4096, 200)):
+        pool = make_pool(model, tok, budget_bytes=budget)
+        app = create_app(pool, model_name="tiny-test")
+        with ServerThread(app) as srv:
+            d = httpx.post(srv.url + "/v1/documents", json={"text": DOC_TEXT}, timeout=60)
+            assert d.status_code == 200, d.text
+            r = httpx.post(srv.url + "/v1/completions", json={"prompt": [5, 6, 7], "max_tokens": 64, "document":
+                                                               d.json()["id"], "temperature": 0}, timeout=120)
+            assert r.status_code == status, (budget, held, need, r.text)
+            if status == 429:
+                assert r.json()["error"]["code"] == "kv_budget_exceeded"

@@ -51,3 +51,34 @@ def test_the_app_loads_the_model_where_asked(monkeypatch, cuda, device, dtype, w
     monkeypatch.setattr(app_mod, "create_app", lambda pool, **kw: ("app", pool))
     assert runner._make_app(device=device, dtype=dtype) == ("app", "pool")
     assert loads == [want]
+
+
+def test_serve_logs_where_the_model_is(monkeypatch, capfd):
+    """`polykv serve`'s first line says which model on which device: polykv's logger prints beside
+    uvicorn's (which configures only its own)."""
+    import logging
+
+    import uvicorn
+
+    import polykv.hf.loading as loading
+    import polykv.server.app as app_mod
+    import polykv.server.runner as runner
+
+    class Model(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.w = torch.nn.Parameter(torch.zeros(1))
+
+    monkeypatch.setattr(loading, "load_model", lambda name=None, *, device=None, dtype=None: (Model(), object()))
+    monkeypatch.setattr(runner, "build_pool", lambda m, tok, **kw: "pool")
+    monkeypatch.setattr(app_mod, "create_app", lambda pool, **kw: "app")
+    monkeypatch.setattr(uvicorn, "run", lambda app, **kw: None)
+    root = logging.getLogger("polykv")
+    handlers, propagate, level = list(root.handlers), root.propagate, root.level
+    try:
+        runner.serve(device="cpu")
+        err = capfd.readouterr().err
+        assert "INFO:     polykv serve: " in err and " on cpu (float32)" in err, err
+    finally:
+        root.handlers[:], root.propagate = handlers, propagate
+        root.setLevel(level)

@@ -83,7 +83,7 @@ async def _tokenize(state: ServerState, fn, *args) -> list[int]:
 
 
 def _check(state: ServerState, body, ids: list[int], chat: bool, default_max: int) -> tuple:
-    """Validate a request against the served model; (document handle, SamplingParams)."""
+    """Validate a request against the served model; (document handle, its tokens, SamplingParams)."""
     if body.model is not None and body.model not in state.model_names:
         raise APIError(404, f"The model {body.model!r} does not exist; this server serves {state.model_name!r}",
                        param="model", code="model_not_found")
@@ -125,33 +125,50 @@ def _check(state: ServerState, body, ids: list[int], chat: bool, default_max: in
         temperature, top_p = 0.0, 1.0
     params = SamplingParams(max_tokens=int(max_tokens), temperature=temperature, top_p=top_p,
                             top_k=body.top_k or None, seed=body.seed, stop=stop, ignore_eos=bool(body.ignore_eos))
-    return doc_handle, params
+    return doc_handle, doc_tokens, params
+
+
+def _usage(usage: dict, doc_tokens: int) -> dict:
+    """The engine's usage (the request's own prompt) in OpenAI's terms: the shared document's tokens
+    are prompt tokens too, served from the cache (`prompt_tokens_details.cached_tokens`)."""
+    out = dict(usage, prompt_tokens=usage["prompt_tokens"] + doc_tokens,
+               total_tokens=usage["total_tokens"] + doc_tokens)
+    out["prompt_tokens_details"] = {"cached_tokens": doc_tokens}
+    return out
 
 
 def _speculative(body):
     """The request's SpecConfig: its `speculative` field, else the server default
-    ($POLYKV_SPECULATIVE, set by `polykv serve --speculative`); None for requests without a
-    document (speculation drafts from the document)."""
+    ($POLYKV_SPECULATIVE, set by `polykv serve --speculative`). Speculation drafts from the
+    document: the default leaves requests without one alone; a request that asks for it without
+    one is refused (as is an invalid object, with or without a document)."""
     import os
 
     from ...spec import SpecConfig
 
-    raw = body.speculative
+    raw, asked = body.speculative, body.speculative is not None
     if raw is None:
         raw = os.environ.get("POLYKV_SPECULATIVE") or None
-    if raw is None or body.document is None:
+    if raw is None:
         return None
-    if isinstance(raw, dict) and ("draft_model" in raw):
-        raise APIError(400, "speculative.draft_model is not available over HTTP", param="speculative",
-                       code="invalid_value")
+    method = raw.get("method") if isinstance(raw, dict) else raw.partition(":")[0]
+    if (isinstance(raw, dict) and "draft_model" in raw) or method == "draft_model":
+        raise APIError(400, "speculative: the draft_model method is not available over HTTP (methods: prompt_lookup, "
+                            "suffix_tree)", param="speculative", code="invalid_value")
     try:
-        return SpecConfig.parse(raw)
+        config = SpecConfig.parse(raw)
     except (ValueError, TypeError) as exc:
         raise APIError(400, f"speculative: {exc}", param="speculative", code="invalid_value") from None
+    if body.document is None:
+        if asked and config is not None:
+            raise APIError(400, "speculative decoding drafts from a shared document: give `document` with it "
+                                "(or leave `speculative` out)", param="speculative", code="invalid_value")
+        return None
+    return config
 
 
 async def _generate(state: ServerState, request: Request, body, ids: list[int], *, chat: bool, default_max: int):
-    doc_handle, params = _check(state, body, ids, chat, default_max)
+    doc_handle, doc_tokens, params = _check(state, body, ids, chat, default_max)
     rid = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex[:24]
     reqid = request_id(request)
     req = GenerationRequest(ids, params, document=doc_handle, request_id=rid, speculative=_speculative(body))
@@ -169,11 +186,12 @@ async def _generate(state: ServerState, request: Request, body, ids: list[int], 
             return Response(status_code=499)
         if first.kind == "error":
             raise to_api_error(first.error, reqid, param="document")
-        return StreamingResponse(_sse(state, handle, first, rid, reqid, created, chat, include_usage),
+        return StreamingResponse(_sse(state, handle, first, rid, reqid, created, chat, include_usage, doc_tokens),
                                  media_type="text/event-stream",
                                  headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
     text, reason, usage = await _collect(handle, request, reqid)
     state.metrics.completion_tokens.inc(usage["completion_tokens"])
+    usage = _usage(usage, doc_tokens)
     if chat:
         choice = {"index": 0, "message": {"role": "assistant", "content": text}, "logprobs": None,
                   "finish_reason": reason}
@@ -227,7 +245,7 @@ async def _collect(handle, request: Request, reqid: str | None):
 
 
 async def _sse(state: ServerState, handle, first, rid: str, reqid: str | None, created: int, chat: bool,
-               include_usage: bool):
+               include_usage: bool, doc_tokens: int):
     obj = "chat.completion.chunk" if chat else "text_completion"
 
     def chunk(text=None, reason=None, role=False, usage=None, empty=False):
@@ -262,7 +280,7 @@ async def _sse(state: ServerState, handle, first, rid: str, reqid: str | None, c
                 state.metrics.completion_tokens.inc(ev.usage["completion_tokens"])
                 yield chunk(text=None if chat else "", reason=_reason(ev.finish_reason))
                 if include_usage:
-                    yield chunk(empty=True, usage=ev.usage)
+                    yield chunk(empty=True, usage=_usage(ev.usage, doc_tokens))
                 break
             ev = await handle.next_event()
         yield "data: [DONE]\n\n"
