@@ -69,10 +69,10 @@ Failures stay with the request that caused them:
 Admission control: with a pool ``budget_bytes``, a request is refused with
 :class:`~polykv.errors.BudgetExceededError` when, after it is added to its batch, the measured KV
 bytes held (the pool's documents + live agent storage, ``memory_report()["kv_bytes_shared"] +
-["kv_bytes_agents"]``, + the dense plain batch) + the bytes its batch's suffix pages must grow by to
-hold its prompt and ``max_tokens`` (`AgentBatch.growth_bytes`; free pages cost nothing) exceed the
-budget. Running agents are never cut: agents admitted together may share the same free pages in
-that count, so storage that grows during decoding can still overshoot the budget until they finish.
+["kv_bytes_agents"]``, + the dense plain batch) + what its batch's suffix pages may still grow by
+before every agent of the batch, this one included, holds its prompt, ``max_tokens`` and a verify
+step's drafts (`AgentBatch.growth_bytes`: pages held cost nothing more) exceed the budget. So
+running agents are never cut and their pages never take a document batch over the budget.
 """
 
 from __future__ import annotations
@@ -231,6 +231,13 @@ class _Live:
 
 
 _PLAIN = ("plain",)  # batch key of requests without a document
+
+
+def _rows_at_most(req: GenerationRequest) -> int:
+    """Suffix rows a request's agent may hold: its prompt, its answer and, speculating, the drafts
+    of a verify step."""
+    spec = req.speculative
+    return len(req.prompt_ids) + req.params.max_tokens + (spec.num_draft_tokens if spec is not None else 0)
 
 
 class Engine:
@@ -572,9 +579,11 @@ class Engine:
                 if batch is None:
                     batch = self._batches[key] = self._new_batch(key)
                 aid = batch.add(list(req.prompt_ids))
-                # its suffix pages are taken at its first step: count them (prompt + answer) now
+                # suffix pages are taken step by step: count the most that the batch's agents, this one
+                # included, may hold before they finish
                 grow = getattr(batch, "growth_bytes", None)
-                self.check_budget(extra=grow([len(req.prompt_ids) + req.params.max_tokens]) if grow else 0)
+                rows = [_rows_at_most(s.handle.request) for (k, _), s in self._live.items() if k == key]
+                self.check_budget(extra=grow(rows + [_rows_at_most(req)]) if grow else 0)
                 st = _Live(h, key, aid, frozenset() if req.params.ignore_eos else self.eos_ids)
                 _set_sampling(batch, aid, st)
                 if req.speculative is not None and key is not _PLAIN and hasattr(batch, "step_verify"):

@@ -150,13 +150,18 @@ class AgentCache(Cache):
         self.grow_storage()
 
     def growth_bytes(self, rows: list[int]) -> int:
-        """Bytes the page pools would grow by if agents of rows[i] rows each joined now: 0 while
-        free pages hold them, else what `PageTable.ensure` adds (the missing pages, at least doubling
-        the pool) at every layer's measured bytes per page."""
-        missing = sum(self.pages.pages_for(r) for r in rows) - len(self.pages.free_pages)
-        if missing <= 0:
+        """Bytes the page pools may grow by before agents of rows[i] rows each — every agent of
+        the cache, those it holds and those about to join — all fit: 0 while the pool's pages hold
+        them, else up to the first doubling of the pool (as `PageTable.ensure` grows it page by
+        page) that does, at every layer's measured bytes per page."""
+        need = sum(self.pages.pages_for(r) for r in rows)
+        n = self.pages.n_pages
+        if need <= n:
             return 0
-        return max(missing, self.pages.n_pages) * sum(st.page_bytes() for st in self.store)
+        grown = max(n, 1)
+        while grown < need:
+            grown *= 2
+        return (grown - n) * sum(st.page_bytes() for st in self.store)
 
     def grow_storage(self) -> None:
         """Grow every layer's page pool to the page table's page count (after `pages.ensure`)."""

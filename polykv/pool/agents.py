@@ -161,8 +161,9 @@ class AgentBatch:
         return aid
 
     def growth_bytes(self, rows: list[int]) -> int:
-        """Bytes the suffix storage would grow by for agents of rows[i] suffix rows each
-        (`AgentCache.growth_bytes`): what admitting them costs beyond the bytes held now."""
+        """Bytes the suffix storage may grow by before agents of rows[i] suffix rows each — all of
+        the batch's, running and joining — fit (`AgentCache.growth_bytes`): what they may cost beyond
+        the bytes held now."""
         self._check_open()
         return self.cache.growth_bytes(rows)
 

@@ -7,6 +7,7 @@ import ipaddress
 import logging
 import os
 import socket
+import sys
 import threading
 import time
 from pathlib import Path
@@ -66,15 +67,22 @@ def _make_app(model=None, k="q8_0", v="turbo3", store=None, budget_bytes=None, i
     return create_app(pool, model_name=str(name), k=k, v=v, store=str(store) if store else None, **app_kw)
 
 
+class _Stderr(logging.StreamHandler):
+    """Writes each record to sys.stderr as it is then (not as it was when the handler was made)."""
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.stream = sys.stderr
+        super().emit(record)
+
+
 def _log_to_stderr(level: str) -> None:
     """polykv's own log lines (which model on which device, warnings) beside uvicorn's, in its format:
     uvicorn configures only its own loggers."""
     root = logging.getLogger("polykv")
-    if not root.handlers:
-        handler = logging.StreamHandler()
+    if not any(isinstance(h, _Stderr) for h in root.handlers):
+        handler = _Stderr()
         handler.setFormatter(logging.Formatter("%(levelname)s:     %(message)s"))
         root.addHandler(handler)
-        root.propagate = False
     root.setLevel(getattr(logging, level.upper(), logging.DEBUG))  # uvicorn's "trace": DEBUG
 
 

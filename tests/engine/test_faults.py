@@ -113,26 +113,26 @@ def test_loop_failure_restarts_the_loop(setup, monkeypatch):
 
 
 def test_admission_counts_agent_storage(setup):
-    """budget_bytes covers documents + live agent storage: with room for the document and one
-    agent's first allocation only, a second request is refused (BudgetExceededError) while the first
-    runs, and admitted again after it finished."""
+    """budget_bytes covers documents + agent storage up to what each admitted agent may hold
+    (prompt + max_tokens): with room for the document and one such agent, a second request is
+    refused (BudgetExceededError) while the first runs, and admitted again after it finished."""
     model, tok, _, _ = setup
     pool = make_pool(model, tok)
     doc = pool.add_document(DOC)
     shared = pool.memory_report()["kv_bytes_shared"]
     p = _prompts(tok, 1)[0]
-    with pool.open_batch(doc) as b:  # measure one agent: at admission, after its prompt ran
+    with pool.open_batch(doc) as b:  # one agent's first allocation; the closed batch is parked
         b.add(p)
-        a0 = b.nbytes()
         b.step()
-        a1 = b.nbytes()
-    assert a1 > a0
-    pool.budget_bytes = shared + (a0 + a1) // 2
+    with pool.open_batch(doc) as b:  # ... and taken over by the engine's
+        held, one, two = b.nbytes(), b.growth_bytes([len(p) + 300]), b.growth_bytes([len(p) + 300] * 2)
+    assert two > one
+    pool.budget_bytes = shared + held + one
     with Engine(pool) as eng:
         first = eng.submit(GenerationRequest(p, _params(300), document=doc))
         next(first.iter_sync(timeout=60))
         with pytest.raises(BudgetExceededError) as e:
-            eng.submit(GenerationRequest(p, _params(2), document=doc)).result_sync(timeout=60)
+            eng.submit(GenerationRequest(p, _params(300), document=doc)).result_sync(timeout=60)
         assert e.value.used > e.value.budget == pool.budget_bytes
         first.cancel()
         assert list(first.iter_sync(timeout=60))[-1].finish_reason == "cancelled"

@@ -365,3 +365,23 @@ def test_a_parked_batch_over_a_new_budget_is_not_reused(tiny):
     big = _park(pool, doc, capacity=8)
     with pool.open_batch(doc, capacity=1) as b:  # without the budget: reused
         assert b.cache is big
+
+
+@pytest.mark.parametrize("rows", [[70], [3, 200], [64, 64, 129]])
+def test_growth_bytes_bounds_what_agents_take(tiny, rows):
+    """`AgentBatch.growth_bytes(rows)` (the engine's admission count) is at least what agents of
+    those suffix rows make the page pools grow by, measured, and 0 once they are held."""
+    model, tok = tiny
+    pool = SharedKVPool(model, tok, prefill_chunk=32)
+    doc = pool.add_document(DOC)
+    with pool.open_batch(doc, graphs=False) as b:
+        before, bound = b.nbytes(), b.growth_bytes(rows)
+        aids = [b.add([5 + i]) for i in range(len(rows))]
+        b.step()
+        for t in range(1, max(rows)):
+            b.feed({a: 7 for a, r in zip(aids, rows) if t < r})
+            b.step()
+        assert [b.suffix_length(a) for a in aids] == rows
+        grown = b.nbytes() - before
+        assert 0 < grown <= bound, (grown, bound)
+        assert b.growth_bytes(rows) == 0

@@ -81,7 +81,7 @@ def test_bench_serve_detects_a_5xx_and_an_unenforced_budget(monkeypatch):
 
     monkeypatch.setattr(completions, "lookup", crash)
     monkeypatch.setattr(ServerState, "refuse_unfittable", lambda self, text, name: None)
-    monkeypatch.setattr(Engine, "check_budget", lambda self, what="": None)
+    monkeypatch.setattr(Engine, "check_budget", lambda self, what="", extra=0: None)
     res = bench_serve(n_clients=2, requests_per_client=7, max_tokens=2, _model_tok=tiny_model(), time_limit_s=120,
                       malformed=1.0, over_budget=0.15, seed=2)
     c = res["classes"]

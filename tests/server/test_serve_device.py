@@ -76,6 +76,7 @@ def test_serve_logs_where_the_model_is(monkeypatch, capfd):
     root = logging.getLogger("polykv")
     handlers, propagate, level = list(root.handlers), root.propagate, root.level
     try:
+        root.handlers[:] = []
         runner.serve(device="cpu")
         err = capfd.readouterr().err
         assert "INFO:     polykv serve: " in err and " on cpu (float32)" in err, err

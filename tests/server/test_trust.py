@@ -161,8 +161,9 @@ def test_tokenization_does_not_block_the_event_loop(tiny):
 
 
 def test_admission_over_kv_budget_is_429(tiny):
-    """The budget counts live agent storage: with room for the document and one agent's first
-    allocation, a second request is refused (429 + Retry-After) while the first runs."""
+    """The budget counts agent storage, up to what each admitted agent may hold (prompt +
+    max_tokens): with room for the document and one such agent, a second is refused (429 +
+    Retry-After) while the first runs, and served once it finished."""
     model, tok = tiny
     pool = make_pool(model, tok)
     with ServerThread(create_app(pool, model_name="tiny-test")) as srv:
@@ -170,23 +171,24 @@ def test_admission_over_kv_budget_is_429(tiny):
         prompt = "Ships"
         ids = pool.prompt_ids(doc, prompt)
         eng = srv.config.app.state.polykv.engine
+        rows = len(ids) + 300
 
-        def measure():
+        def measure():  # the batch the engine opens next (a closed one is parked and taken over)
             with pool.open_batch(doc) as b:
                 b.add(ids)
-                a0 = b.nbytes()
                 b.step()
-                return a0, b.nbytes()
+            with pool.open_batch(doc) as b:
+                return b.nbytes(), b.growth_bytes([rows]), b.growth_bytes([rows, rows])
 
-        a0, a1 = eng.call(measure).result(60)
-        assert a1 > a0
-        pool.budget_bytes = pool.memory_report()["kv_bytes_shared"] + (a0 + a1) // 2
+        held, one, two = eng.call(measure).result(60)
+        assert two > one
+        pool.budget_bytes = pool.memory_report()["kv_bytes_shared"] + held + one
         body = {"prompt": prompt, "document": doc, "max_tokens": 300, "temperature": 0, "ignore_eos": True,
                 "stream": True}
         with httpx.stream("POST", srv.url + "/v1/completions", json=body, timeout=60) as r:
             lines = r.iter_lines()
             assert next(lines).startswith("data: {")
-            r2 = httpx.post(srv.url + "/v1/completions", json=dict(body, stream=False, max_tokens=2), timeout=60)
+            r2 = httpx.post(srv.url + "/v1/completions", json=dict(body, stream=False), timeout=60)
             assert r2.status_code == 429, r2.text
             assert r2.json()["error"]["code"] == "kv_budget_exceeded" and int(r2.headers["retry-after"]) >= 1
         deadline = time.time() + 20
