@@ -1,5 +1,5 @@
-"""The `polykv` command (also `python -m polykv`). Every command takes --json and then prints
-exactly one JSON object on stdout; progress and logs go to stderr."""
+"""The `polykv` command (also `python -m polykv`). Every command but `serve` takes --json and then
+prints exactly one JSON object on stdout; progress and logs go to stderr."""
 
 from __future__ import annotations
 
@@ -94,9 +94,11 @@ def codecs(
 @app.command()
 def demo(
     json_out: bool = typer.Option(False, "--json", help="Print one JSON object."),
-    agents: int = typer.Option(8, "--agents", help="Number of agents (questions) over the document."),
+    agents: int = typer.Option(8, "--agents", min=1, help="Number of agents (questions) over the document."),
     preset: Optional[str] = typer.Option(None, "--preset", help="KV preset: default (K q8_0 / V turbo3), "
-                                         "balanced, max; --k / --v override it."),
+                                         "balanced, max (types, InnerQ and recent window, as the API's "
+                                         "preset=); --k / --v override its types. Without it the pool holds "
+                                         "exactly --k / --v (default q8_0 / turbo3)."),
     k: Optional[str] = typer.Option(None, "--k", help="Key type (overrides the preset)."),
     v: Optional[str] = typer.Option(None, "--v", help="Value type (overrides the preset)."),
     model: Optional[str] = typer.Option(None, "--model", help="Model (default: embedded SmolLM2-135M)."),
@@ -110,9 +112,14 @@ def demo(
 
     from .presets import resolve
 
-    k, v, _ = resolve(preset, k, v)
+    from .codecs import check_codec_name
+
+    kv = tuple(check_codec_name(t) for t in resolve(preset, k, v)[:2])  # names checked before the model loads
+    if preset is None:
+        k, v = kv
     m, tok = load_model(model)
-    result = run_demo(m, tok, agents=agents, k=k, v=v, max_new_tokens=max_new_tokens, speculative=speculative)
+    result = run_demo(m, tok, agents=agents, k=k, v=v, preset=preset, max_new_tokens=max_new_tokens,
+                      speculative=speculative)
     if json_out:
         emit(result)
     else:
@@ -415,14 +422,15 @@ def bench_spec_cmd(
     tokens per verify step, acceptance, tok/s, identical answers (issue I)."""
     from pathlib import Path
 
-    from .bench.spec import TABLE_COLUMNS, bench_spec
+    from .bench.spec import TABLE_COLUMNS, bench_spec, check_args
     from .hf.loading import load_model, model_device, model_dtype
 
+    wls, ms = tuple(w for w in workloads.split(",") if w), tuple(x for x in methods.split(",") if x)
+    check_args(wls, ms, k, v, requests_per_agent)
     dev = model_device(device)
     m, tok = load_model(model, device=dev, dtype=model_dtype(dtype, dev))
     result = bench_spec(m, tok, agents=tuple(int(a) for a in agents.split(",") if a),
-                        workloads=tuple(w for w in workloads.split(",") if w),
-                        methods=tuple(x for x in methods.split(",") if x), num_draft_tokens=num_draft_tokens,
+                        workloads=wls, methods=ms, num_draft_tokens=num_draft_tokens,
                         max_new_tokens=max_new_tokens, repeats=repeats, k=k, v=v, adaptive=not fixed,
                         unwrap=not keep_wraps, row_invariant=row_invariant,
                         requests_per_agent=requests_per_agent,
@@ -512,7 +520,18 @@ def serve(
 
 
 def main() -> None:
-    app()
+    """`app()`, with a user's mistake (an unknown KV type, model or preset, a bad value, a missing
+    file: ValueError / OSError and their kinds) told in one line on stderr, exit 2, as click tells
+    its own; $POLYKV_TRACEBACK=1 shows the traceback instead."""
+    import os
+
+    try:
+        app()
+    except (ValueError, OSError) as exc:
+        if os.environ.get("POLYKV_TRACEBACK"):
+            raise
+        typer.echo(f"Error: {exc} ({type(exc).__name__})", err=True)
+        raise SystemExit(2) from None
 
 
 if __name__ == "__main__":

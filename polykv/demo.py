@@ -52,12 +52,17 @@ def _naive_copies(model, f16, doc_len: int, suffixes: list[list[int]]) -> int:
     return total
 
 
-def run_demo(model=None, tok=None, agents: int = 8, k: str = "q8_0", v: str = "turbo3",
-             max_new_tokens: int = 32, document: str | None = None, questions=None, speculative=None) -> dict:
+def run_demo(model=None, tok=None, agents: int = 8, k: str | None = "q8_0", v: str | None = "turbo3",
+             max_new_tokens: int = 32, document: str | None = None, questions=None, speculative=None,
+             preset: str | None = None) -> dict:
     """Run the demo; returns a JSON-ready dict: agents, doc_tokens, questions, expected, answers,
     hits, kv_bytes_shared, kv_bytes_prefix, kv_bytes_agents, kv_bytes_naive_f16,
-    kv_bytes_naive_f16_single, ratio, k, v, seconds (total) and timings; with `speculative`
-    (`SharedKVPool.generate`'s argument), also `speculative` = its stats."""
+    kv_bytes_naive_f16_single, ratio, k, v, preset, recent, seconds (total) and timings; with
+    `speculative` (`SharedKVPool.generate`'s argument), also `speculative` = its stats. `preset`: the
+    pool's preset (types, InnerQ, recent window, calibrated table; `k` / `v` override its types, None
+    keeps them); without one the pool holds exactly `k` / `v`."""
+    if agents < 1:
+        raise ValueError(f"agents must be >= 1, got {agents}")
     from .cache.accounting import storage_bytes
     from .pool import SharedKVPool
 
@@ -73,7 +78,7 @@ def run_demo(model=None, tok=None, agents: int = 8, k: str = "q8_0", v: str = "t
     qs = [q["question"] for q in qa]
     expected = [q.get("answer", "") for q in qa]
 
-    pool = SharedKVPool(model, tok, k=k, v=v)
+    pool = SharedKVPool(model, tok, k=k, v=v, preset=preset)
     t1 = time.perf_counter()
     doc, f16 = pool._add_document_with_f16(text, name="demo")
     t_prefill = time.perf_counter() - t1
@@ -99,7 +104,7 @@ def run_demo(model=None, tok=None, agents: int = 8, k: str = "q8_0", v: str = "t
                 hits=hits, hit_count=sum(hits), kv_bytes_shared=shared, kv_bytes_prefix=prefix_bytes,
                 kv_bytes_agents=agent_bytes, kv_bytes_naive_f16=naive,
                 kv_bytes_naive_f16_single=f16_single, ratio=naive / shared if shared else 0.0,
-                k=k, v=v, max_new_tokens=max_new_tokens,
+                k=pool.k_type, v=pool.v_type, preset=preset, recent=pool.recent, max_new_tokens=max_new_tokens,
                 seconds=time.perf_counter() - t0,
                 timings=dict(load=t_load, prefill=t_prefill, generate=t_gen, naive_measure=t_naive))
 

@@ -170,11 +170,33 @@ def test_demo_preset_and_override(tiny_dir):
     """--preset picks the K/V types (DESIGN §5 presets); --k / --v override it."""
     base = ["demo", "--agents", "1", "--max-new-tokens", "2", "--model", tiny_dir]
     obj = run_json(base + ["--preset", "max"])
-    assert (obj["k"], obj["v"]) == ("turbo3", "turbo2")
+    assert (obj["k"], obj["v"], obj["preset"], obj["recent"]) == ("turbo3", "turbo2", "max", 8)  # as the API's
     obj2 = run_json(base + ["--preset", "max", "--v", "q8_0"])
-    assert (obj2["k"], obj2["v"]) == ("turbo3", "q8_0")
+    assert (obj2["k"], obj2["v"], obj2["recent"]) == ("turbo3", "q8_0", 8)
     assert obj["kv_bytes_shared"] < obj2["kv_bytes_shared"]
+    plain = run_json(base)  # no preset: exactly --k / --v (default q8_0 / turbo3), no window
+    assert (plain["k"], plain["v"], plain["preset"], plain["recent"]) == ("q8_0", "turbo3", None, 0)
     assert run_cli(base + ["--preset", "fast", "--json"], ok=False).exit_code != 0
+
+
+@pytest.mark.parametrize("args,words", [
+    (["codecs", "--head-dim", "96"], "turbo codecs need head_dim"),
+    (["demo", "--k", "q9"], "unknown KV type 'q9'"),
+    (["demo", "--preset", "fast"], "unknown preset 'fast'"),
+    (["bench", "spec", "--workloads", "bogus"], "unknown workloads ['bogus']"),
+    (["bench", "spec", "--methods", "bogus"], "unknown speculative method 'bogus'"),
+])
+def test_a_users_mistake_is_one_line(monkeypatch, capsys, args, words):
+    """`polykv` (cli.main) tells a bad value in one line on stderr, exit 2, before loading a model."""
+    from polykv import cli
+
+    monkeypatch.setattr(sys, "argv", ["polykv", *args, "--json"])
+    monkeypatch.setattr("polykv.hf.loading.load_model", lambda *a, **kw: pytest.fail("loaded a model"))
+    monkeypatch.delenv("POLYKV_TRACEBACK", raising=False)
+    with pytest.raises(SystemExit) as e:
+        cli.main()
+    err = capsys.readouterr().err
+    assert e.value.code == 2 and words in err and "Traceback" not in err and len(err.strip().splitlines()) == 1, err
 
 
 def test_calibrate_json(tiny_dir, tmp_path):

@@ -107,8 +107,9 @@ def bench_spec(model, tok, agents=(4,), workloads=("quoting", "freeform"), metho
     import re
 
     from ..demo import DATA
-    from ..pool import SharedKVPool
     from ..spec.invariant import row_invariant as _row_invariant
+
+    check_args(workloads, methods, k, v, requests_per_agent)
 
     text = document if document is not None else (DATA / "demo_document.md").read_text(encoding="utf-8")
     if unwrap:  # the file is hard-wrapped at 100 columns; a wrap ("above\nthe") breaks every quote's match
@@ -117,6 +118,21 @@ def bench_spec(model, tok, agents=(4,), workloads=("quoting", "freeform"), metho
         out = _bench(model, tok, text, agents, workloads, methods, num_draft_tokens, max_new_tokens, repeats,
                      k, v, adaptive, log, sync, requests_per_agent)
     return dict(out, unwrap=unwrap, row_invariant=row_invariant, sync=sync, requests_per_agent=requests_per_agent)
+
+
+def check_args(workloads, methods, k: str, v: str, requests_per_agent: int = 1) -> None:
+    """ValueError naming the first bad argument (before any model or document is loaded)."""
+    from ..codecs import check_codec_name
+    from ..spec import SpecConfig
+
+    unknown = [w for w in workloads if w not in WORKLOADS]
+    if unknown or not workloads:
+        raise ValueError(f"unknown workloads {unknown}; choose from {', '.join(WORKLOADS)}")
+    for m in methods:
+        SpecConfig(method=m)
+    check_codec_name(k), check_codec_name(v)
+    if requests_per_agent < 1:
+        raise ValueError(f"requests_per_agent must be >= 1, got {requests_per_agent}")
 
 
 def _bench(model, tok, text, agents, workloads, methods, num_draft_tokens, max_new_tokens, repeats, k, v,
@@ -129,9 +145,6 @@ def _bench(model, tok, text, agents, workloads, methods, num_draft_tokens, max_n
     doc = pool.add_document(text, name="demo")
     prefill_s = time.perf_counter() - t0
     rows, mismatches = [], []
-
-    if requests_per_agent < 1:
-        raise ValueError(f"requests_per_agent must be >= 1, got {requests_per_agent}")
 
     def timed(prompts, spec, max_batch, overlap=True):
         # the outputs tree starts empty for every run: it would otherwise hold the very answers of

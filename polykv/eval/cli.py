@@ -230,7 +230,7 @@ def ppl(preset: Optional[str] = typer.Option(None, "--preset", help=PRESET_HELP)
                                    "scored in chunks of 64) or prefill-score (the PolyKV reference's: 70 % "
                                    "prefilled, 30 % scored in one pass; one window unless --windows)"),
         model: Optional[str] = typer.Option(None, "--model", help=MODEL_HELP),
-        text: Optional[Path] = typer.Option(None, "--text", help="UTF-8 text file (default: bundled Pride and Prejudice)"),
+        text: Optional[Path] = typer.Option(None, "--text", exists=True, dir_okay=False, help="UTF-8 text file (default: bundled Pride and Prejudice)"),
         windows: Optional[int] = typer.Option(None, "--windows", help="number of ctx windows (default: 8192 tokens' worth)"),
         innerq: Optional[str] = typer.Option(None, "--innerq", help=INNERQ_HELP),
         keep_layers_q8: int = typer.Option(0, "--keep-layers-q8", help="first/last n layers stored as q8_0"),
@@ -293,7 +293,7 @@ def equiv(preset: Optional[str] = typer.Option(None, "--preset", help=PRESET_HEL
           k: Optional[str] = typer.Option(None, "--k", help=K_HELP),
           v: Optional[str] = typer.Option(None, "--v", help=V_HELP),
           model: Optional[str] = typer.Option(None, "--model", help=MODEL_HELP),
-          prompts: Optional[Path] = typer.Option(None, "--prompts", help="JSONL {context, question, needle} per line (see `polykv eval --help`)"),
+          prompts: Optional[Path] = typer.Option(None, "--prompts", exists=True, dir_okay=False, help="JSONL {context, question, needle} per line (see `polykv eval --help`)"),
           max_new_tokens: int = typer.Option(24, "--max-new-tokens"),
           limit: Optional[int] = typer.Option(None, "--limit", help="use only the first N prompts"),
           innerq: Optional[str] = typer.Option(None, "--innerq", help=INNERQ_HELP),
@@ -347,7 +347,7 @@ def ruler(task: str = typer.Option("niah", "--task", help="niah, vt or codes (ra
                                                 "first S of each length (default: all 16)"),
           seed: int = typer.Option(0, "--seed", help="sample seed (codes: 0 is the bundled code_prompts.jsonl)"),
           model: Optional[str] = typer.Option(None, "--model", help=MODEL_HELP),
-          text: Optional[Path] = typer.Option(None, "--text", help="filler text file (default: Pride and "
+          text: Optional[Path] = typer.Option(None, "--text", exists=True, dir_okay=False, help="filler text file (default: Pride and "
                                               "Prejudice; not for codes)"),
           innerq: Optional[str] = typer.Option(None, "--innerq", help=INNERQ_HELP),
           precision: str = typer.Option("auto", "--precision", help=PRECISION_HELP),
@@ -358,7 +358,7 @@ def ruler(task: str = typer.Option("niah", "--task", help="niah, vt or codes (ra
           threads: Optional[int] = typer.Option(None, "--threads"),
           device: Optional[str] = typer.Option(None, "--device", help=DEVICE_HELP),
           details: bool = typer.Option(False, "--details", help="add every sample's answers (field: items)"),
-          reference: Optional[Path] = typer.Option(None, "--reference", help="JSON of an f16 run of the same "
+          reference: Optional[Path] = typer.Option(None, "--reference", exists=True, dir_okay=False, help="JSON of an f16 run of the same "
                                                    "task/seed/samples with --details: reused as score_ref"),
           as_json: bool = typer.Option(False, "--json")):
     """RULER-style niah / vt / codes (fields: score, score_ref, samples; codes add by_ctx, by_kind)."""
@@ -402,8 +402,8 @@ def tiers(ctx: int = typer.Option(2048, "--ctx"),
                                                "(e.g. default,balanced,max), after an f16 row; default: every "
                                                "KV type and the asymmetric pairs"),
           model: Optional[str] = typer.Option(None, "--model", help=MODEL_HELP),
-          text: Optional[Path] = typer.Option(None, "--text"),
-          prompts: Optional[Path] = typer.Option(None, "--prompts"),
+          text: Optional[Path] = typer.Option(None, "--text", exists=True, dir_okay=False),
+          prompts: Optional[Path] = typer.Option(None, "--prompts", exists=True, dir_okay=False),
           windows: Optional[int] = typer.Option(None, "--windows"),
           keep_layers_q8: int = typer.Option(0, "--keep-layers-q8"),
           no_equiv: bool = typer.Option(False, "--no-equiv", help="skip the logit-equivalence columns"),

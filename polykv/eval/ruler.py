@@ -66,6 +66,9 @@ def _question_vt(value: str) -> str:
             "through other variables. Answer with the variable names only.")
 
 
+MIN_CTX = 256  # niah / vt
+
+
 def make_sample(tok, task: str, ctx: int, rng: random.Random, depth: float, paras: list[str]) -> dict:
     """One sample: {context, question, answers (all must appear), depth}."""
     overhead = 80  # template + question
@@ -130,6 +133,8 @@ def make_samples(tok, task: str, ctx: int | None, samples: int | None, seed: int
     if task == "codes":
         return code_samples(ctx, samples, seed, text)
     ctx = 2048 if ctx is None else ctx
+    if ctx < MIN_CTX:  # below it the template, question and needle (~100-140 tokens) leave no filler
+        raise ValueError(f"{task}: ctx must be >= {MIN_CTX} prompt tokens, got {ctx}")
     samples = 20 if samples is None else samples
     if samples < 1:
         raise ValueError(f"samples must be >= 1, got {samples}")
