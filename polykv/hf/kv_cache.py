@@ -34,7 +34,7 @@ from ..codecs import CODEC_NAMES, CodecError, InnerQTable, check_codec_name, get
 from ..codecs.rotation import rotate, unrotate
 from .attention import activate, use_polykv_attention
 from .fingerprint import innerq_path
-from .layout import kv_layout
+from .layout import UnsupportedModelError, kv_layout
 
 
 @dataclass(frozen=True)
@@ -45,10 +45,6 @@ class LayerLayout:
     num_kv_heads: int
     head_dim: int
     sliding_window: int | None
-
-
-class UnsupportedModelError(ValueError):
-    """The model's architecture is not one KVCache can serve."""
 
 
 FUSED_MAX_QUERIES = 8
