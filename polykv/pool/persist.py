@@ -270,7 +270,16 @@ class _Vanished(Exception):
 def load_pool(cls, path, model, tok, **kwargs):
     from .pool import PoolFormatError
 
+    fixed = sorted({"k", "v", "innerq", "overrides", "preset"} & set(kwargs))
+    if fixed:
+        raise TypeError(f"SharedKVPool.load takes {', '.join(fixed)} from the save (its documents are stored "
+                        f"in those types); to hold them otherwise, add them to a new pool")
     root = Path(path)
+    if GENERATION.fullmatch(root.name) and (root / MANIFEST).is_file() and not generations(root):
+        try:  # one generation named directly
+            return _load_generation(cls, root, model, tok, kwargs)
+        except _Vanished as e:
+            raise PoolFormatError(f"{e} is missing") from None
     for _ in range(5):
         gens = generations(root)
         if not gens:

@@ -182,8 +182,9 @@ class SharedKVPool:
         if budget_bytes is not None and gpu_budget_bytes is not None and budget_bytes != gpu_budget_bytes:
             raise ValueError(f"budget_bytes={budget_bytes} and gpu_budget_bytes={gpu_budget_bytes} differ: "
                              f"budget_bytes is the old name of gpu_budget_bytes, give one")
-        self.gpu_budget_bytes = gpu_budget_bytes if gpu_budget_bytes is not None else budget_bytes
-        self.host_budget_bytes = host_budget_bytes
+        self.gpu_budget_bytes = _budget("gpu_budget_bytes", gpu_budget_bytes if gpu_budget_bytes is not None
+                                        else budget_bytes)
+        self.host_budget_bytes = _budget("host_budget_bytes", host_budget_bytes)
         if int(stream_chunk_rows) < 1:
             raise ValueError(f"stream_chunk_rows must be >= 1, got {stream_chunk_rows}")
         self.stream_chunk_rows = int(stream_chunk_rows)
@@ -233,7 +234,7 @@ class SharedKVPool:
 
     @budget_bytes.setter
     def budget_bytes(self, value: int | None) -> None:
-        self.gpu_budget_bytes = value
+        self.gpu_budget_bytes = _budget("budget_bytes", value)
 
     # --- documents ---------------------------------------------------------------------------
     def add_document(self, text_or_ids, name: str | None = None,
@@ -278,7 +279,14 @@ class SharedKVPool:
             else:
                 ids = self.tok(text_or_ids)["input_ids"]
         else:
-            ids = [int(t) for t in (text_or_ids.tolist() if torch.is_tensor(text_or_ids) else text_or_ids)]
+            if torch.is_tensor(text_or_ids):
+                if text_or_ids.dim() == 2 and text_or_ids.shape[0] == 1:  # a tokenizer's [1, T] input_ids
+                    text_or_ids = text_or_ids[0]
+                if text_or_ids.dim() != 1:
+                    raise ValueError(f"document token ids must be a 1-D tensor (or [1, T]), got shape "
+                                     f"{tuple(text_or_ids.shape)}")
+                text_or_ids = text_or_ids.tolist()
+            ids = [int(t) for t in text_or_ids]
         if not ids:
             raise ValueError("empty document")
         return ids, chat, tail
@@ -377,8 +385,8 @@ class SharedKVPool:
             if v is not None and self._demote(v, host_release):
                 continue
             if v is None or v.id == keep:
-                warnings.warn(f"polykv pool: {total} GPU-tier bytes exceed gpu_budget_bytes={budget}, but "
-                              f"every other document is in use", stacklevel=4)
+                warnings.warn(f"polykv pool: {total} GPU-tier bytes exceed gpu_budget_bytes={budget}, and no "
+                              f"other document can make room (none is left, or the others are in use)", stacklevel=4)
                 return False
             v.layers = None
 
@@ -688,8 +696,9 @@ class SharedKVPool:
         joins the batch when an agent finishes (continuous batching: a slot never idles while a
         prompt waits; a joining prompt is prefilled in the same step as the others decode). Each
         prompt's answer is the same whatever max_batch (the agents are independent; exactly so
-        under `row_invariant`). Returns the decoded answers (special tokens skipped), in prompt
-        order."""
+        under `row_invariant`). Returns the decoded answers (special tokens skipped, leading and
+        trailing whitespace stripped), in prompt order; the token ids are in
+        `last_generate["answer_ids"]`."""
         from ..generation import find_stop, is_greedy, stop_token_ids
         from ..spec import SpecConfig, Speculator
 
@@ -697,6 +706,14 @@ class SharedKVPool:
             raise TypeError("prompts must be a list of prompts")
         if max_batch is not None and int(max_batch) < 1:
             raise ValueError(f"max_batch must be >= 1 or None, got {max_batch}")
+        if int(max_new_tokens) < 0:
+            raise ValueError(f"max_new_tokens must be >= 0, got {max_new_tokens}")
+        if not temperature >= 0:  # NaN too
+            raise ValueError(f"temperature must be >= 0 (0: greedy), got {temperature}")
+        if not 0 < top_p <= 1:
+            raise ValueError(f"top_p must be in (0, 1], got {top_p}")
+        if top_k is not None and top_k < 0:
+            raise ValueError(f"top_k must be >= 0 (0: off), got {top_k}")
         spec_cfg = SpecConfig.parse(speculative)
         t0 = time.perf_counter()
         suffixes = [self.prompt_ids(doc, p, chat_template) for p in prompts]
@@ -1042,14 +1059,24 @@ class SharedKVPool:
 
     @classmethod
     def load(cls, path, model, tok, **kwargs) -> "SharedKVPool":
-        """Load the newest complete save in `path`; raises PoolFormatError on any mismatch, corruption
-        or invalid manifest field (see persist.py)."""
+        """Load the newest complete save in `path` (a store directory; a `pool-<generation>`
+        directory in it loads that generation); raises PoolFormatError on any mismatch, corruption
+        or invalid manifest field (see persist.py). The K/V types, InnerQ tables and per-layer
+        types come from the save (passing k=, v=, innerq=, overrides= or preset= is a TypeError);
+        `kwargs` are SharedKVPool's other arguments (device, budgets, recent, ...)."""
         from .persist import load_pool
 
         pool = load_pool(cls, path, model, tok, **kwargs)
         with pool._lock:  # a save holds every resident document in the GPU form: fit the budgets
             pool._enforce_budget()
         return pool
+
+
+def _budget(name: str, value):
+    """A byte budget: None (none) or an integer >= 0."""
+    if value is not None and int(value) < 0:
+        raise ValueError(f"{name} must be >= 0 bytes or None, got {value}")
+    return value
 
 
 def _step_ms(step_s: list[tuple[int, float, bool]]) -> dict:

@@ -727,3 +727,15 @@ def test_save_killed_midway_leaves_previous_save(tmp_path, model_tok):
     assert [d["name"] for d in pool.documents()] == ["first"]
     pool.save(store)
     assert [p.name for p in store.iterdir()] == ["pool-00000002"]
+
+
+def test_a_generation_directory_loads_and_the_save_fixes_the_types(store, template, model_tok):
+    """Naming a `pool-<generation>` directory loads that generation (it was told to "re-add its
+    documents" as a version-1 save); k / v / preset / innerq / overrides come from the save only."""
+    gen = current(store)
+    pool = SharedKVPool.load(gen, *model_tok)
+    doc = next(d["id"] for d in pool.documents() if d["resident"])
+    assert pool.generate(doc, PROMPTS, max_new_tokens=5) == template[1]
+    for bad in ({"k": "q4_0"}, {"v": "turbo2"}, {"preset": "max"}, {"innerq": None}):
+        with pytest.raises(TypeError, match="from the save"):
+            SharedKVPool.load(store, *model_tok, **bad)

@@ -385,3 +385,26 @@ def test_growth_bytes_bounds_what_agents_take(tiny, rows):
         grown = b.nbytes() - before
         assert 0 < grown <= bound, (grown, bound)
         assert b.growth_bytes(rows) == 0
+
+
+def test_bad_arguments_are_refused(tiny):
+    """generate and the budgets refuse values that would otherwise be read as something else (a
+    negative max_new_tokens as 0, a negative temperature as greedy); a tokenizer's [1, T] ids tensor
+    is a document."""
+    model, tok = tiny
+    pool = SharedKVPool(model, tok, prefill_chunk=32)
+    doc = pool.add_document(torch.tensor([DOC]))
+    assert doc == pool.add_document(DOC)  # the same document
+    with pytest.raises(ValueError, match="1-D"):
+        pool.add_document(torch.tensor([DOC, DOC]))
+    for kw, words in (({"max_new_tokens": -5}, "max_new_tokens"), ({"temperature": -1.0}, "temperature"),
+                      ({"temperature": float("nan")}, "temperature"), ({"top_p": 0.0}, "top_p"),
+                      ({"top_k": -1}, "top_k")):
+        with pytest.raises(ValueError, match=words):
+            pool.generate(doc, [[5, 6]], **{"max_new_tokens": 2, **kw})
+    assert pool.generate(doc, [[5, 6]], max_new_tokens=0) == [""]
+    for kw in ({"budget_bytes": -1}, {"gpu_budget_bytes": -1}, {"host_budget_bytes": -2}):
+        with pytest.raises(ValueError, match="must be >= 0"):
+            SharedKVPool(model, tok, **kw)
+    with pytest.raises(ValueError, match="must be >= 0"):
+        pool.budget_bytes = -1
