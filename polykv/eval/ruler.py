@@ -66,17 +66,18 @@ def _question_vt(value: str) -> str:
             "through other variables. Answer with the variable names only.")
 
 
-MIN_CTX = 256  # niah / vt
+_OVERHEAD = 80  # tokens of the template + question
+_NEEDLE = {"niah": 20, "vt": 60}  # tokens of the needle / the variable chain
+_MIN_FILLER = 32
 
 
 def make_sample(tok, task: str, ctx: int, rng: random.Random, depth: float, paras: list[str]) -> dict:
     """One sample: {context, question, answers (all must appear), depth}."""
-    overhead = 80  # template + question
     if task == "niah":
         key = f"{rng.choice(_WORDS)}-{rng.choice(_WORDS)}"
         value = str(rng.randrange(1_000_000, 10_000_000))
         needle = f"The special magic number for {key} is: {value}."
-        body = _filler(tok, paras, rng, ctx - overhead - 20)
+        body = _filler(tok, paras, rng, ctx - _OVERHEAD - _NEEDLE["niah"])
         pos = round(depth * len(body))
         body.insert(pos, needle)
         return {"context": "\n\n".join(body), "question": _question_niah(key), "answers": [value],
@@ -88,7 +89,7 @@ def make_sample(tok, task: str, ctx: int, rng: random.Random, depth: float, para
         names = list(names)
         value = str(rng.randrange(10_000, 100_000))
         stmts = [f"VAR {names[0]} = {value}."] + [f"VAR {names[i]} = {names[i - 1]}." for i in range(1, 5)]
-        body = _filler(tok, paras, rng, ctx - overhead - 60)
+        body = _filler(tok, paras, rng, ctx - _OVERHEAD - _NEEDLE["vt"])
         slots = sorted(rng.sample(range(len(body) + 1), k=min(5, len(body) + 1)))
         while len(slots) < 5:
             slots.append(slots[-1])
@@ -133,8 +134,9 @@ def make_samples(tok, task: str, ctx: int | None, samples: int | None, seed: int
     if task == "codes":
         return code_samples(ctx, samples, seed, text)
     ctx = 2048 if ctx is None else ctx
-    if ctx < MIN_CTX:  # below it the template, question and needle (~100-140 tokens) leave no filler
-        raise ValueError(f"{task}: ctx must be >= {MIN_CTX} prompt tokens, got {ctx}")
+    least = _OVERHEAD + _NEEDLE[task] + _MIN_FILLER  # the template, question and needle leave room for filler
+    if ctx < least:
+        raise ValueError(f"{task}: ctx must be >= {least} prompt tokens, got {ctx}")
     samples = 20 if samples is None else samples
     if samples < 1:
         raise ValueError(f"samples must be >= 1, got {samples}")

@@ -199,6 +199,8 @@ def test_ruler_contract_and_seeding(tiny, tok, task):
         assert all(f"VAR {s['answers'][1]} = {s['answers'][0]}." in s["context"] for s in a)
     with pytest.raises(ValueError, match="valid tasks"):
         make_samples(tok, "qa", 300, 1, 0)
+    with pytest.raises(ValueError, match="ctx must be >= "):  # no room for filler: not the ctx asked for
+        make_samples(tok, task, 16, 1, 0)
 
 
 def test_tiers_contract(tiny, tok):
