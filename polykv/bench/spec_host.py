@@ -75,6 +75,12 @@ class _TableLM(torch.nn.Module):
         self.config, self.generation_config = config, generation_config
         self.seconds = 0.0
 
+    def get_input_embeddings(self):  # the model interface the pool reads (no weights here)
+        return None
+
+    def get_output_embeddings(self):
+        return None
+
     def forward(self, input_ids, position_ids=None, attention_mask=None, past_key_values=None,
                 use_cache=True, logits_to_keep=1, **kw):
         t = time.perf_counter()
@@ -123,8 +129,8 @@ def _static_steps():
     saved = decode_graph.graphs_supported, decode_graph.DecodeGraphs
 
     class Timed(saved[1]):  # each static step's seconds into _STATIC[0]["static"] (a CUDA graph on the GPU)
-        def _capture(self, B, n_q):
-            cap = super()._capture(B, n_q)
+        def _capture(self, B, n_q, keep=0):
+            cap = super()._capture(B, n_q, keep)
             fn = cap.fn
 
             def timed():
