@@ -43,6 +43,14 @@ def _console():
     return Console() if sys.stdout.isatty() else Console(width=160)
 
 
+def _ints(s: str, option: str) -> tuple[int, ...]:
+    """A comma-separated list of integers ("1,8,32"; empty items skipped), or a one-line error."""
+    try:
+        return tuple(int(x) for x in s.split(",") if x.strip())
+    except ValueError:
+        raise typer.BadParameter(f"expected comma-separated integers, got {s!r}", param_hint=option) from None
+
+
 def _table(title: str, rows: list[dict], columns: list[str], fmt: dict | None = None):
     from rich.table import Table
 
@@ -207,8 +215,8 @@ def bench_fanout_cmd(
     from .bench.fanout import bench_fanout
     from .hf.loading import load_model
 
+    counts = _ints(agents, "--agents")
     m, tok = load_model(model)
-    counts = tuple(int(a) for a in agents.split(","))
     result = bench_fanout(m, tok, agents=counts, doc_tokens=doc_tokens, suffix_tokens=suffix_tokens,
                           k=k, v=v, plot=plot)
     if json_out:
@@ -233,7 +241,7 @@ def bench_attention_cmd(
         raise typer.BadParameter("`polykv bench attention` needs a CUDA GPU (none found)")
     from .bench.attention import bench_attention
 
-    result = bench_attention(ctxs=[int(c) for c in ctx.split(",")], agents=[int(a) for a in agents.split(",")],
+    result = bench_attention(ctxs=list(_ints(ctx, "--ctx")), agents=list(_ints(agents, "--agents")),
                              pairs=[tuple(p.split("/")) for p in pairs.split(",")])
     if json_out:
         emit(result)
@@ -277,14 +285,13 @@ def bench_e2e_cmd(
         raise typer.BadParameter("`polykv bench e2e` needs a CUDA GPU (none found); --device cpu for a smoke run")
     from .bench.e2e import TABLE_COLUMNS, bench_e2e
 
-    def ints(s: str) -> tuple[int, ...]:
-        return tuple(int(x) for x in s.split(",") if x)
-
-    result = bench_e2e(agents=ints(agents), ctx=ctx, layers=layers, kv_ctx=kv_ctx, kv_layers=kv_layers,
-                       kv_batches=ints(kv_batches), steps=steps, warmup=warmup,
+    result = bench_e2e(agents=_ints(agents, "--agents"), ctx=ctx, layers=layers, kv_ctx=kv_ctx,
+                       kv_layers=kv_layers,
+                       kv_batches=_ints(kv_batches, "--kv-batches"), steps=steps, warmup=warmup,
                        scenarios=tuple(s for s in scenarios.split(",") if s), k=k, v=v,
                        suffix_tokens=suffix_tokens, chunk=chunk, device=device, compile=compile_, tiny=tiny,
-                       out=out, kv_recents=ints(kv_recent), pool_recents=ints(pool_recent))
+                       out=out, kv_recents=_ints(kv_recent, "--kv-recent"),
+                       pool_recents=_ints(pool_recent, "--pool-recent"))
     if json_out:
         emit(result)
         return
@@ -322,15 +329,13 @@ def bench_offload_cmd(
         raise typer.BadParameter("`polykv bench offload` needs a CUDA GPU (none found); --device cpu for a smoke run")
     from .bench.offload import TABLE_COLUMNS, bench_offload
 
-    def ints(s: str) -> tuple[int, ...]:
-        return tuple(int(x) for x in s.split(",") if x)
-
     def save(result: dict) -> None:  # after every agent count too: a long run that dies keeps its rows
         if out:
             Path(out).mkdir(parents=True, exist_ok=True)
             (Path(out) / "gpu_offload.json").write_text(json.dumps(result, indent=1, default=str))
 
-    result = bench_offload(agents=ints(agents), ctxs=ints(ctx), layers=layers, suffix_tokens=suffix_tokens,
+    result = bench_offload(agents=_ints(agents, "--agents"), ctxs=_ints(ctx, "--ctx"), layers=layers,
+                           suffix_tokens=suffix_tokens,
                            steps=steps, warmup=warmup, k=k, v=v, stream_chunk_rows=stream_chunk_rows,
                            device=device, tiny=tiny, log=lambda m: print(m, file=sys.stderr, flush=True),
                            on_rows=lambda rows: save({"rows": rows, "partial": True}))
@@ -427,9 +432,10 @@ def bench_spec_cmd(
 
     wls, ms = tuple(w for w in workloads.split(",") if w), tuple(x for x in methods.split(",") if x)
     check_args(wls, ms, k, v, requests_per_agent)
+    counts = _ints(agents, "--agents")
     dev = model_device(device)
     m, tok = load_model(model, device=dev, dtype=model_dtype(dtype, dev))
-    result = bench_spec(m, tok, agents=tuple(int(a) for a in agents.split(",") if a),
+    result = bench_spec(m, tok, agents=counts,
                         workloads=wls, methods=ms, num_draft_tokens=num_draft_tokens,
                         max_new_tokens=max_new_tokens, repeats=repeats, k=k, v=v, adaptive=not fixed,
                         unwrap=not keep_wraps, row_invariant=row_invariant,
