@@ -198,6 +198,7 @@ def test_speculative_without_a_document_is_checked(server, body, words):
     err = _assert_error(httpx.post(server.url + "/v1/completions", json=dict(body, prompt="x", max_tokens=2)),
                         400, "invalid_value")
     assert err["param"] == "speculative" and words in err["message"], err
+    assert "draft_model" not in err["message"].replace("the draft_model method", ""), err  # not offered over HTTP
 
 
 def test_agent_pages_count_at_admission(tiny):

@@ -144,7 +144,7 @@ def _speculative(body):
     one is refused (as is an invalid object, with or without a document)."""
     import os
 
-    from ...spec import SpecConfig
+    from ...spec import METHODS, SpecConfig
 
     raw, asked = body.speculative, body.speculative is not None
     if raw is None:
@@ -152,9 +152,13 @@ def _speculative(body):
     if raw is None:
         return None
     method = raw.get("method") if isinstance(raw, dict) else raw.partition(":")[0]
-    if (isinstance(raw, dict) and "draft_model" in raw) or method == "draft_model":
-        raise APIError(400, "speculative: the draft_model method is not available over HTTP (methods: prompt_lookup, "
-                            "suffix_tree)", param="speculative", code="invalid_value")
+    served = [m for m in METHODS if m != "draft_model"]  # a draft model is a Python object, not JSON
+    model_asked = method == "draft_model" or (isinstance(raw, dict) and "draft_model" in raw)
+    if model_asked or (method and method not in served):
+        what = "the draft_model method is not available over HTTP" if model_asked else \
+            f"unknown speculative method {method!r}"
+        raise APIError(400, f"speculative: {what}; methods: {', '.join(served)}", param="speculative",
+                       code="invalid_value")
     try:
         config = SpecConfig.parse(raw)
     except (ValueError, TypeError) as exc:
