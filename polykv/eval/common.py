@@ -98,6 +98,13 @@ def make_cache(model, k: str, v: str, innerq=None, keep_layers_q8: int = 0, over
                    recent=recent)
 
 
+def is_f16_reference(k: str, v: str, keep_layers_q8: int = 0, overrides=None, anchors=None, recent: int = 0) -> bool:
+    """The cache `make_cache` builds from these arguments is the f16 reference itself (so a run of it
+    is its own reference): f16 K and V with nothing that stores rows otherwise (q8_0 edge layers,
+    per-layer or per-head types, simulated anchors / outliers, a recent window)."""
+    return (k, v) == ("f16", "f16") and not keep_layers_q8 and not overrides and anchors is None and not recent
+
+
 def model_device(model) -> torch.device:
     return next(model.parameters()).device
 

@@ -15,8 +15,10 @@ Per prompt: the reference answer is greedy decoding with f16 KV (up to max_new_t
 EOS); it is teacher-forced through both runs (token by token, so every answer position attends to
 the compressed KV of everything before it), and TV_t = 1/2 sum |p_t - q_t| over the full vocabulary
 at every answer position. mean_tv and p95_tv are over all positions of all prompts. A *real*
-divergence is a position inside the answer span (the reference answer up to and including its EOS,
-or, for a model that keeps going without EOS, up to the end of the answer's first line) where the top-1 tokens differ and the reference top-1/top-2 probability margin is >= 0.1;
+divergence is a position inside the answer span (the reference answer up to and including its first
+EOS or the token that ends its first line, whichever comes first: the recalled fact, not a chat
+model's elaboration after it nor a base model's run-on) where the top-1 tokens differ and the
+reference top-1/top-2 probability margin is >= 0.1;
 real_frac = prompts with a real divergence / prompts. recall_mismatch = prompts where exactly one
 run's free-running greedy answer contains the needle. PASS: real_frac <= 0.15, recall_mismatch = 0,
 p95_tv < 0.30.
@@ -56,8 +58,9 @@ def verdict_of(real_frac: float, recall_mismatch: int, p95_tv: float) -> str:
 
 
 def answer_span(tok, toks: list[int], stop: set[int]) -> int:
-    """Number of answer positions: up to and including the first EOS; for a model that keeps
-    going (base models), up to and including the token that ends the answer's first line."""
+    """Number of answer positions: up to and including the first EOS or the token that ends the
+    answer's first line, whichever comes first (the first line holds the recalled fact; lines after
+    it, a chat model's elaboration or a base model's run-on, are not the answer)."""
     for i, t in enumerate(toks):
         if t in stop:
             return i + 1

@@ -26,7 +26,7 @@ import time
 
 import torch
 
-from .common import load_text, make_cache, model_device
+from .common import is_f16_reference, load_text, make_cache, model_device
 from .common import progress as _bar
 
 CHUNK = 64
@@ -209,7 +209,7 @@ def eval_ppl(model, tok, k: str = "q8_0", v: str = "turbo3", ctx: int = 2048, te
     ppl = math.exp(nll / count)
     f16_bytes = None
     if ppl_ref is None:
-        if (k, v) == ("f16", "f16") and not keep_layers_q8 and not overrides and not recent:
+        if is_f16_reference(k, v, keep_layers_q8, overrides, anchors, recent):
             ppl_ref, f16_bytes = ppl, report["kv_bytes"]
         else:
             rn, rc, rep = _run(model, tok, wins, "f16", "f16", None, 0, progress, f"ppl f16 ctx={ctx}",

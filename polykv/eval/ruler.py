@@ -26,7 +26,7 @@ import time
 import torch
 
 from ..generation import stop_token_ids
-from .common import decode_steps, format_prompt, load_text, make_cache, prefill
+from .common import decode_steps, format_prompt, is_f16_reference, load_text, make_cache, prefill
 from .common import progress as _bar
 
 TASKS = ("niah", "vt", "codes")
@@ -200,7 +200,7 @@ def eval_ruler(model, tok, task: str = "niah", ctx: int | None = 2048, k: str = 
                 r["answers"] != it["answers"] for r, it in zip(ref_items, items)):
             raise ValueError("reference: not a details=True result on the same task, seed and samples")
         ok_ref, answers_ref = [r["ok"] for r in ref_items], [r["answer"] for r in ref_items]
-    elif (k, v) == ("f16", "f16") and not keep_layers_q8 and not overrides and not recent:
+    elif is_f16_reference(k, v, keep_layers_q8, overrides, anchors, recent):
         ok_ref, answers_ref = ok, answers
     else:
         ok_ref, answers_ref = _score(model, tok, items, "f16", "f16", None, 0, max_new, progress, match)

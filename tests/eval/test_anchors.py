@@ -146,3 +146,12 @@ def test_equiv_and_ruler_take_anchors(tiny, tok, monkeypatch):
     assert r["anchors"]["sink"] == 10**6
     assert len(calls) >= 2 * 2 * 3  # samples x layers x (prefill + decode steps): the anchored cache ran
     assert [i["answer"] for i in r["items"]] == [i["answer_ref"] for i in r["items"]]
+
+
+def test_f16_with_anchors_is_scored_against_the_plain_f16_reference(tiny, tok):
+    """An f16/f16 run whose anchors store rows otherwise is not its own reference: its ppl_ref is the
+    plain f16 run's (it was taken from the run itself, forcing delta_pct to 0)."""
+    plain = eval_ppl(tiny, tok, "f16", "f16", ctx=256, windows=1, progress=False)
+    r = eval_ppl(tiny, tok, "f16", "f16", ctx=256, windows=1, progress=False,
+                 anchors=Anchors(sink=4, recent=8, anchor="turbo2"))
+    assert r["ppl_ref"] == plain["ppl"] and r["ppl"] != plain["ppl"] and r["delta_pct"] != 0
