@@ -457,6 +457,7 @@ def bench_serve_ray(configs="1x1,1x2,2x1", n_clients: int = 16, requests_per_cli
     from ray import serve
 
     from ..ray import build_app
+    from ..ray.app import PROXY_READY_ENV, PROXY_READY_S, start_serve
     from ..server import free_port
 
     log = log or (lambda msg: None)
@@ -465,13 +466,14 @@ def bench_serve_ray(configs="1x1,1x2,2x1", n_clients: int = 16, requests_per_cli
     cores = os.cpu_count() or 1
     own_ray = not ray.is_initialized()
     if own_ray:
+        os.environ.setdefault(PROXY_READY_ENV, PROXY_READY_S)
         ray.init(num_cpus=max(cores, max(r * t for r, t in configs)), include_dashboard=False,
                  logging_level="ERROR", log_to_driver=False)
     name = str(model or "smollm2-135m")
     rows = []
     try:  # whatever fails (an actor dying under load, in serve.start too), the Ray we started stops
         port = free_port()
-        serve.start(http_options={"host": "127.0.0.1", "port": port})
+        start_serve({"host": "127.0.0.1", "port": port}, note=log)
         url = f"http://127.0.0.1:{port}"
         for replicas, threads in configs:
             log(f"bench serve --ray: {replicas} replica(s) x {threads} thread(s): deploying")
@@ -481,10 +483,10 @@ def bench_serve_ray(configs="1x1,1x2,2x1", n_clients: int = 16, requests_per_cli
                 rows.append(_ray_round(url, replicas, threads, n_clients, requests_per_client, max_tokens, name,
                                        time_limit_s, request_timeout_s, seed, log, httpx))
             finally:
-                serve.delete("polykv")
+                _teardown(lambda: serve.delete("polykv"), log)
     finally:
         try:
-            serve.shutdown()
+            _teardown(serve.shutdown, log)
         finally:
             if own_ray:
                 ray.shutdown()
@@ -495,6 +497,16 @@ def bench_serve_ray(configs="1x1,1x2,2x1", n_clients: int = 16, requests_per_cli
             "max_tokens": max_tokens, "documents": 2, "model": name, "k": k, "v": v, "seed": seed,
             "lost": sum(r["lost"] for r in rows), "started_utc": started, "cores": cores,
             "machine": f"{platform.machine()} {cores} cpu, {platform.system()}, python {platform.python_version()}"}
+
+
+def _teardown(fn, log) -> None:
+    """Run a Ray Serve teardown step; its failure is logged, not raised: the rows were measured, and
+    under load Serve's controller can die while it shuts down (ActorDiedError from its
+    graceful_shutdown, seen in CI on a loaded 2-core machine)."""
+    try:
+        fn()
+    except Exception as exc:  # noqa: BLE001 - any Ray error here ends nothing the run measured
+        log(f"bench serve --ray: {getattr(fn, '__name__', fn)} failed ({exc!r}); the results stand")
 
 
 def _ray_round(url, replicas, threads, n_clients, per_client, max_tokens, name, time_limit_s, request_timeout_s,

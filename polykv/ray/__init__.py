@@ -17,7 +17,7 @@ Importing `polykv` or `polykv.ray` does not import ray; `build_app` and `serve_r
 
 from __future__ import annotations
 
-__all__ = ["build_app", "serve_ray"]
+__all__ = ["build_app", "serve_ray", "start_serve"]
 
 
 def __getattr__(name):

@@ -18,7 +18,7 @@ import os
 import signal
 import time
 
-__all__ = ["APP_NAME", "INGRESS_NAME", "REPLICA_NAME", "build_app", "serve_ray"]
+__all__ = ["APP_NAME", "INGRESS_NAME", "REPLICA_NAME", "build_app", "serve_ray", "start_serve"]
 
 log = logging.getLogger("polykv.ray")
 
@@ -70,6 +70,33 @@ def build_app(*, replicas: int = 2, cpus_per_replica: float = 1, torch_threads: 
     ).bind(replica, model_name=name, k=k, v=v, store=store, api_key=api_key, **kw)
 
 
+# Serve's controller kills an HTTP proxy not ready within this many seconds (Ray's default 5; x the
+# proxy's restarts): a Ray worker takes longer to start on a loaded machine. Set before `ray.init`
+# starts a local Ray (its processes inherit the environment); a cluster's own setting is kept.
+PROXY_READY_ENV = "RAY_SERVE_PROXY_READY_CHECK_TIMEOUT_S"
+PROXY_READY_S = "60"
+
+
+def start_serve(http_options: dict, attempts: int = 3, note=None) -> None:
+    """`serve.start(http_options=...)`, again (after a `serve.shutdown`) when its HTTP proxy actor
+    died before it ever ran: on a loaded machine Serve's controller can kill a proxy that is slow to
+    start, and `serve.start` then raises ActorDiedError (seen in CI on a busy 2-core machine).
+    `note`: where the retry is told (default: this module's log, as a warning)."""
+    import ray
+    from ray import serve
+
+    for attempt in range(1, attempts + 1):
+        try:
+            serve.start(http_options=http_options)
+            return
+        except ray.exceptions.ActorDiedError as exc:
+            if attempt == attempts:
+                raise
+            (note or log.warning)(f"serve.start: its proxy died before it started ({type(exc).__name__}); "
+                                  f"starting Serve again ({attempt + 1}/{attempts})")
+            serve.shutdown()
+
+
 def serve_ray(host: str = "127.0.0.1", port: int = 8000, *, replicas: int = 2, address: str | None = None,
               cpus_per_replica: float = 1, log_level: str = "info", api_key: str | None = None, **app_kw) -> None:
     """`polykv serve --ray`: join the Ray cluster at `address` (None: $RAY_ADDRESS, else a new local
@@ -83,8 +110,9 @@ def serve_ray(host: str = "127.0.0.1", port: int = 8000, *, replicas: int = 2, a
     api_key = api_key or os.environ.get("POLYKV_API_KEY") or None
     check_bind(host, api_key)
     address = address or os.environ.get("RAY_ADDRESS") or None
+    os.environ.setdefault(PROXY_READY_ENV, PROXY_READY_S)
     ray.init(address=address, include_dashboard=False, logging_level=log_level.upper())
-    serve.start(http_options={"host": host, "port": int(port)})
+    start_serve({"host": host, "port": int(port)})
     app = build_app(replicas=replicas, cpus_per_replica=cpus_per_replica, api_key=api_key, **app_kw)
     serve.run(app, name=APP_NAME, route_prefix="/")
     log.warning("polykv serve --ray: %d replica(s) on http://%s:%d (Ctrl-C stops)", replicas, host, port)

@@ -81,3 +81,29 @@ def test_bench_serve_ray_stops_its_ray_when_serve_fails(monkeypatch):
     with pytest.raises(RuntimeError, match="controller died"):
         bench_serve_ray(configs="1x1", n_clients=1, requests_per_client=1, max_tokens=1)
     assert not ray.is_initialized()
+
+
+def test_start_serve_retries_a_proxy_that_died_before_it_ran(monkeypatch):
+    """On a loaded machine Serve's controller can kill a slow-starting HTTP proxy, and serve.start
+    raises ActorDiedError: start_serve shuts Serve down and starts it again, up to `attempts` times."""
+    ray = pytest.importorskip("ray")
+    from ray import serve
+
+    from polykv.ray import start_serve
+
+    calls = []
+
+    def start(http_options):
+        calls.append("start")
+        if calls.count("start") < 3:
+            raise ray.exceptions.ActorDiedError()
+
+    monkeypatch.setattr(serve, "start", start)
+    monkeypatch.setattr(serve, "shutdown", lambda: calls.append("shutdown"))
+    said = []
+    start_serve({"port": 1}, note=said.append)
+    assert calls == ["start", "shutdown", "start", "shutdown", "start"] and len(said) == 2
+    calls.clear()
+    with pytest.raises(ray.exceptions.ActorDiedError):
+        start_serve({"port": 1}, attempts=2, note=said.append)
+    assert calls == ["start", "shutdown", "start"]

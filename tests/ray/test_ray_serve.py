@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
 import time
 
 import pytest
@@ -35,13 +36,15 @@ def _chat(doc: str, q: str = "How many ships passed?", **kw) -> dict:
 def cluster():
     from ray import serve
 
-    from polykv.ray import build_app
+    from polykv.ray import build_app, start_serve
+    from polykv.ray.app import PROXY_READY_ENV, PROXY_READY_S
     from polykv.server import free_port
 
+    os.environ.setdefault(PROXY_READY_ENV, PROXY_READY_S)
     ray.init(num_cpus=2, include_dashboard=False, logging_level="ERROR", log_to_driver=False)
     try:
         port = free_port()
-        serve.start(http_options={"host": "127.0.0.1", "port": port})
+        start_serve({"host": "127.0.0.1", "port": port})
         serve.run(build_app(replicas=2, cpus_per_replica=1, max_ongoing_requests=MAX_ONGOING), name="polykv",
                   route_prefix="/")
         url = f"http://127.0.0.1:{port}"

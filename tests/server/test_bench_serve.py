@@ -90,3 +90,18 @@ def test_bench_serve_detects_a_5xx_and_an_unenforced_budget(monkeypatch):
     assert c["malformed"]["by_case"]["unknown_document"]["statuses"] == {"500": 1}
     assert c["over_budget"]["planned"] == 2 and c["over_budget"]["answered_429"] == 0
     assert c["over_budget"]["statuses"] == {"200": 2} and res["documents_after"] == 2
+
+
+def test_a_failed_ray_teardown_is_logged_not_raised():
+    """bench serve --ray's measured rows stand when Serve's controller dies while shutting down."""
+    from polykv.bench.serve import _teardown
+
+    said = []
+
+    def dies():
+        raise RuntimeError("ActorDiedError()")
+
+    _teardown(dies, said.append)
+    assert len(said) == 1 and "ActorDiedError" in said[0] and "results stand" in said[0]
+    _teardown(lambda: None, said.append)
+    assert len(said) == 1
