@@ -2,7 +2,7 @@
 check of each pair against the torch reference (InnerQ scales on K where K is turbo) — the quick loop
 for a change to the decode path (the GPU suite times and checks the same among many more).
 
-    PYTHONPATH=. python3 polykv/bench/decode_pairs.py [--ctx 4096,16384,65536]
+    PYTHONPATH=. python3 polykv/bench/decode_pairs.py [--ctx 4096,16384,65536] [--pairs q8_0/turbo3,q4_0/turbo3]
 
 Prints one line per (ctx, pair); writes decode_pairs.json under $OUT (or .).
 """
@@ -41,16 +41,18 @@ def check(kname: str, vname: str, ctx: int = 4099, tune: dict | None = None) -> 
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--ctx", default="4096,16384,65536")
+    ap.add_argument("--pairs", default=",".join(f"{k}/{v}" for k, v in PAIRS), help="K/V pairs, comma-separated")
     ap.add_argument("--out", default=os.environ.get("OUT", "."))
     args = ap.parse_args()
+    pairs = [tuple(p.split("/")) for p in args.pairs.split(",")]
     torch.backends.cuda.enable_cudnn_sdp(False)  # it rebuilds its plan every decode call
     rows = []
-    for kn, vn in PAIRS:
+    for kn, vn in pairs:
         err = check(kn, vn)
         rows.append(dict(k=kn, v=vn, rel_err=err))
         print(f"check {kn}/{vn}: rel. error {err:.2e}", flush=True)
     for ctx in (int(c) for c in args.ctx.split(",")):
-        for kn, vn in PAIRS:
+        for kn, vn in pairs:
             r = bench_one(ctx, 1, kn, vn, sdpa=True)
             rows.append(r)
             print(f"decode {ctx} {kn}/{vn}: {r['ms'] * 1e3:.1f} us (eager {r['ms_eager'] * 1e3:.1f}), "

@@ -86,13 +86,15 @@ def _word(bytes4) -> str:
     return f"0x{sum((b & 0xFF) << (8 * i) for i, b in enumerate(bytes4)):08x}"
 
 
-def _lut8_tail(t16: list[int], idx: str) -> str:
-    """PTX: 4 packed byte indices (< 8) in register `idx` -> $0, $1 (4 fp16 via table t16)."""
+def _lut8_tail(t16: list[int], idx: str, sign: str = "") -> str:
+    """PTX: 4 packed byte indices (< 8) in register `idx` -> $0, $1 (4 fp16 via table t16); sign:
+    a register whose bytes are all ones where the value's sign bit is to be flipped."""
     lo = [x & 0xFF for x in t16] + [0] * (8 - len(t16))
     hi = [x >> 8 for x in t16] + [0] * (8 - len(t16))
+    flip = f"and.b32 {sign}, {sign}, 0x80808080; xor.b32 h, h, {sign}; " if sign else ""
     return (f"shr.b32 t, {idx}, 4; or.b32 t, t, {idx}; prmt.b32 s, t, t, 0x0020; "
             f"mov.b32 x, {_word(lo[:4])}; mov.b32 y, {_word(lo[4:])}; prmt.b32 l, x, y, s; "
-            f"mov.b32 x, {_word(hi[:4])}; mov.b32 y, {_word(hi[4:])}; prmt.b32 h, x, y, s; "
+            f"mov.b32 x, {_word(hi[:4])}; mov.b32 y, {_word(hi[4:])}; prmt.b32 h, x, y, s; " + flip +
             "prmt.b32 $0, l, h, 0x5140; prmt.b32 $1, l, h, 0x7362;")
 
 
@@ -115,19 +117,26 @@ def _asm_small(t16: list[int], bits: int, p: int) -> str:
 
 
 def _asm_nib(t16: list[int], p: int) -> str:
-    """4-bit: nibble p of $2 -> 16-entry table (two 8-entry prmt lookups + byte select)."""
-    lo = [x & 0xFF for x in t16]
-    hi = [x >> 8 for x in t16]
-    return (_REGS + f"shr.b32 a, $2, {4 * p}; and.b32 j, a, 0x07070707; shl.b32 m, a, 4; "
-            "prmt.b32 m, m, m, 0xBA98; "
-            "shr.b32 t, j, 4; or.b32 t, t, j; prmt.b32 s, t, t, 0x0020; "
-            f"mov.b32 x, {_word(lo[0:4])}; mov.b32 y, {_word(lo[4:8])}; prmt.b32 la, x, y, s; "
-            f"mov.b32 x, {_word(lo[8:12])}; mov.b32 y, {_word(lo[12:16])}; prmt.b32 lb, x, y, s; "
-            f"mov.b32 x, {_word(hi[0:4])}; mov.b32 y, {_word(hi[4:8])}; prmt.b32 ha, x, y, s; "
-            f"mov.b32 x, {_word(hi[8:12])}; mov.b32 y, {_word(hi[12:16])}; prmt.b32 hb, x, y, s; "
-            "xor.b32 l, la, lb; and.b32 l, l, m; xor.b32 l, l, la; "
-            "xor.b32 h, ha, hb; and.b32 h, h, m; xor.b32 h, h, ha; "
-            "prmt.b32 $0, l, h, 0x5140; prmt.b32 $1, l, h, 0x7362; }")
+    """4-bit turbo: nibble p of $2 -> fp16 via the codebook t16 (16 entries, ascending, symmetric:
+    t16[15 - i] is -t16[i], as every Lloyd-Max codebook is). One 8-entry lookup of the lower half:
+    an index i >= 8 reads entry 15 - i (i xor the byte's mask m, all ones when bit 3 is set) and
+    gets its sign flipped (m & 0x80 on the high byte) -- 12 ALU instructions per 4 values where
+    two lookups of the halves and a byte select took 19 (kernels_notes v23)."""
+    if any(t16[15 - i] != t16[i] ^ 0x8000 for i in range(16)):
+        raise ValueError("the 4-bit decode needs a symmetric codebook")
+    # m: bit 3 of each byte's nibble moved to the byte's top bit (already there for p = 1), then
+    # that bit replicated over the byte (prmt's sign mode)
+    top = "shl.b32 m, $2, 4; prmt.b32 m, m, m, 0xBA98; " if p == 0 else "prmt.b32 m, $2, $2, 0xBA98; "
+    return (_REGS + f"shr.b32 a, $2, {4 * p}; " + top + "xor.b32 j, a, m; and.b32 j, j, 0x07070707; "
+            + _lut8_tail(t16[:8], "j", sign="m") + " }")
+
+
+def _asm_q4(p: int) -> str:
+    """q4_0: nibble p of $2 -> fp16(i - 8) by the magic number, as ASM_Q8: the nibble is the low
+    mantissa byte of fp16 0x64ii = 1024 + i, and 1032 is subtracted (exact for every nibble)."""
+    return (_REGS + f"shr.b32 a, $2, {4 * p}; and.b32 a, a, 0x0f0f0f0f; mov.b32 x, 0x64646464; "
+            "prmt.b32 l, a, x, 0x4140; prmt.b32 h, a, x, 0x4342; mov.b32 y, 0x64086408; "
+            "sub.f16x2 $0, l, y; sub.f16x2 $1, h, y; }")
 
 
 ASM_Q8 = (_REGS + "xor.b32 a, $2, 0x80808080; mov.b32 x, 0x64646464; prmt.b32 l, a, x, 0x4140; "
@@ -166,8 +175,7 @@ def _build_asm_strings(codec: Codec) -> tuple[str, ...]:
     if m["KIND"] == KIND_Q8:
         out[0] = ASM_Q8
     elif m["KIND"] == KIND_Q4:
-        t = _f16_bits(np.arange(16) - 8.0)
-        out[0], out[1] = _asm_nib(t, 0), _asm_nib(t, 1)
+        out[0], out[1] = _asm_q4(0), _asm_q4(1)
     elif m["KIND"] == KIND_TURBO and m["BITS"] in (2, 3, 4):
         t = _f16_bits(codec.centroids.numpy())
         for p in range(m["NPH"]):
