@@ -9,6 +9,10 @@ host time per replay on an H100 against 0.12-0.17 ms for a plain step's (agents 
 hold about the same number of kernels. Per M: the median host time of `replay()` (no sync) and of
 replay + sync over 50 launches, and the GEMM kernels the graph holds (profiled). CUDA only. Writes
 graph_launch.json under $OUT (or --out).
+
+`debug_graphs()` / `graph_nodes()`: the census of a captured graph's nodes (by type, its edges, its
+kernels by name) from CUDA's DOT dump, for comparing two graphs whose launches cost differently
+(`verify_profile.py --graph-nodes`).
 """
 
 from __future__ import annotations
@@ -16,8 +20,11 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import statistics
+import tempfile
 import time
+from collections import Counter
 
 import torch
 
@@ -55,6 +62,56 @@ def launch_times(rows: int, layers: int = 30, launches: int = 60) -> dict:
         torch.cuda.synchronize()
     kernels = sorted({e.name for e in prof.events() if e.device_type.name == "CUDA"})
     return dict(host_ms=statistics.median(host_ms), wall_ms=statistics.median(wall_ms), kernels=kernels)
+
+
+NODE_TYPES = ("KERNEL", "MEMCPY", "MEMSET", "HOST", "GRAPH", "EMPTY", "WAIT_EVENT", "EVENT_RECORD",
+              "EXT_SEMAS_SIGNAL", "EXT_SEMAS_WAIT", "MEM_ALLOC", "MEM_FREE", "BATCH_MEM_OP", "CONDITIONAL")
+
+
+def debug_graphs() -> list:
+    """From now on every `torch.cuda.CUDAGraph()` keeps its graph for `graph_nodes` (debug mode is
+    set before its capture); returns the list the graphs are appended to."""
+    made = []
+
+    class Kept(torch.cuda.graphs.CUDAGraph):
+        def __init__(self, *args, **kwargs):
+            super().__init__(*args, **kwargs)
+            self.enable_debug_mode()
+            made.append(self)
+
+    torch.cuda.CUDAGraph = Kept
+    return made
+
+
+def _statements(dot: str) -> list[str]:
+    """The DOT text's statements: a node's attribute list may span lines (CUDA's record labels)."""
+    out, cur = [], []
+    for line in dot.splitlines():
+        cur.append(line)
+        if line.rstrip().endswith(("]", "];")) or "[" not in "".join(cur):
+            out.append("\n".join(cur))
+            cur = []
+    return out + (["\n".join(cur)] if cur else [])
+
+
+def graph_nodes(graph) -> dict:
+    """{nodes: {type: count}, edges, edge_styles, kernels: {name: count} (the 25 most frequent),
+    dot_head} of a graph captured in debug mode, from `CUDAGraph.debug_dump`'s DOT text."""
+    with tempfile.NamedTemporaryFile(suffix=".dot") as f:
+        graph.debug_dump(f.name)
+        dot = open(f.name, encoding="utf-8", errors="replace").read()
+    nodes, styles, kernels = Counter(), Counter(), Counter()
+    for stmt in _statements(dot):
+        if "->" in stmt:
+            styles[(re.search(r'style="?(\w+)', stmt) or [None, "plain"])[1]] += 1
+        elif re.match(r'\s*"[^"]+"\s*\[', stmt):  # a node (not a cluster's own label)
+            kind = next((t for t in NODE_TYPES if re.search(rf"\b{t}\b", stmt)), "OTHER")
+            nodes[kind] += 1
+            if kind == "KERNEL":
+                name = re.search(r"(_Z\w+|nvjet\w+|triton_\w+|_\w+_kernel\w*)", stmt)
+                kernels[name[1][:80] if name else "?"] += 1
+    return dict(nodes=dict(nodes), edges=sum(styles.values()), edge_styles=dict(styles),
+                kernels=dict(kernels.most_common(25)), dot_head=dot[:1500])
 
 
 def main(argv=None) -> None:

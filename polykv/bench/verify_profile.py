@@ -59,11 +59,17 @@ def _host_top(prof: cProfile.Profile, steps: int, n: int = 15) -> list[dict]:
 
 
 def run(agents: int = 32, ctx: int = 2048, widths=(0, 1, 2, 4), steps: int = 6, layers: int = 30,
-        device: str = "cuda", recent: int = 8, log=print) -> dict:
+        device: str = "cuda", recent: int = 8, log=print, graph_nodes: bool = False) -> dict:
+    """graph_nodes (CUDA): also the node census of each captured step (`graph_launch.graph_nodes`),
+    keyed "<agents>x<columns>"."""
+    from polykv.bench import graph_launch
     from polykv.bench.step_profile import top_kernels
     from polykv.pool import SharedKVPool
 
     cuda = device == "cuda"
+    if graph_nodes and cuda:
+        graph_launch.debug_graphs()
+    census = {}
     if cuda:
         torch.backends.cuda.enable_cudnn_sdp(False)
     model = smollm2_shape(device, torch.bfloat16 if cuda else torch.float32, layers,
@@ -140,6 +146,11 @@ def run(agents: int = 32, ctx: int = 2048, widths=(0, 1, 2, 4), steps: int = 6, 
                     torch.cuda.synchronize()
                 row["device_ms_per_step"], row["top"] = top_kernels(prof, steps)
             rows.append(row)
+            if graph_nodes and cuda:
+                for (B, n_q), cap in b._graphs._graphs.items():
+                    if f"{B}x{n_q}" not in census and cap.graph is not None:
+                        census[f"{B}x{n_q}"] = c = graph_launch.graph_nodes(cap.graph)
+                        log(f"graph {B}x{n_q}: nodes {c['nodes']}, edges {c['edge_styles']}")
             log(f"width {w}: wall {row['ms_wall_median']:.3f} ms/step (host: feed {row['ms_host_feed']:.3f}, "
                 f"launch {row['ms_host_launch']:.3f}, result {row['ms_host_result']:.3f})"
                 + (f", device {row['device_ms_per_step']:.3f} ms/step" if cuda else ""))
@@ -148,7 +159,7 @@ def run(agents: int = 32, ctx: int = 2048, widths=(0, 1, 2, 4), steps: int = 6, 
     for r in rows:
         if base:
             r["wall_over_plain"] = round(r["ms_wall_median"] / base, 3)
-    return dict(rows=rows, agents=agents, ctx=ctx, layers=model.config.num_hidden_layers, recent=recent,
+    return dict(rows=rows, graph_nodes=census, agents=agents, ctx=ctx, layers=model.config.num_hidden_layers, recent=recent,
                 device=torch.cuda.get_device_name() if cuda else "cpu", torch=torch.__version__,
                 date=time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime()))
 
@@ -162,10 +173,12 @@ def main() -> None:
     ap.add_argument("--layers", type=int, default=30)
     ap.add_argument("--device", default="cuda", choices=("cuda", "cpu"))
     ap.add_argument("--recent", type=int, default=8)
+    ap.add_argument("--graph-nodes", action="store_true",
+                    help="also the node census of each captured step's graph (CUDA's DOT dump)")
     ap.add_argument("--out", default=os.environ.get("OUT", "."))
     a = ap.parse_args()
     res = run(a.agents, a.ctx, tuple(int(x) for x in a.widths.split(",")), a.steps, a.layers, device=a.device,
-              recent=a.recent)
+              recent=a.recent, graph_nodes=a.graph_nodes)
     os.makedirs(a.out, exist_ok=True)
     with open(os.path.join(a.out, "verify_profile.json"), "w") as f:
         json.dump(res, f, indent=1)

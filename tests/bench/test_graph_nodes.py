@@ -1,0 +1,33 @@
+"""`graph_launch.graph_nodes`: the node census of a CUDA graph's DOT dump (verify_profile
+--graph-nodes), parsed here from a dump in CUDA's shape (record labels over several lines)."""
+
+from polykv.bench.graph_launch import graph_nodes
+
+DOT = '''digraph dot {
+subgraph cluster_1 {
+label="graph_1" graph[style="dashed"];
+"graph_1_node_0"[style="solid" shape="record" label="{KERNEL
+| {ID | 0 | _Z21_phase_decode_kernelPvS_}
+}"];
+"graph_1_node_1"[style="solid" shape="record" label="{MEMSET | {ID | 1 | value 0}}"];
+"graph_1_node_2"[style="solid" shape="record" label="{KERNEL | {ID | 2 | nvjet_sm90_tst_64x8_h}}"];
+"graph_1_node_3"[style="solid" shape="record" label="{EVENT_RECORD | {ID | 3}}"];
+"graph_1_node_0" -> "graph_1_node_1" [style="dashed"];
+"graph_1_node_1" -> "graph_1_node_2";
+"graph_1_node_2" -> "graph_1_node_3";
+}
+}
+'''
+
+
+class _Dumped:
+    def debug_dump(self, path):
+        with open(path, "w") as f:
+            f.write(DOT)
+
+
+def test_graph_nodes_counts_types_edges_and_kernels():
+    c = graph_nodes(_Dumped())
+    assert c["nodes"] == {"KERNEL": 2, "MEMSET": 1, "EVENT_RECORD": 1}
+    assert c["edges"] == 3 and c["edge_styles"] == {"dashed": 1, "plain": 2}
+    assert c["kernels"] == {"_Z21_phase_decode_kernelPvS_": 1, "nvjet_sm90_tst_64x8_h": 1}
