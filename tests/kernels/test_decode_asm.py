@@ -2,8 +2,9 @@
 the PTX they use: every string must give, for every code byte, exactly the fp16 bits of the
 reference decode (the table lookup of `_phase` / `_q4_phase` with DEC=0, q8_0's int8 cast).
 
-Triton's interpreter cannot run inline asm, so without this the strings are checked only on a GPU
-(gpu_suite's dec=asm rows)."""
+The warp-specialised prefix pass takes the same strings rewritten for one word per element
+(`gluon_prefix.unpacked`); that form must give the same values. Triton's interpreter cannot run
+inline asm, so without this the strings are checked only on a GPU (gpu_suite's dec=asm rows)."""
 
 from __future__ import annotations
 
@@ -48,12 +49,15 @@ _OPS = {
     "xor.b32": lambda a, b: a ^ b,
     "prmt.b32": _prmt,
     "sub.f16x2": lambda a, b: _f16x2(np.subtract, a, b),
+    "lo16": lambda a: a & 0xFFFF,
+    "hi16": lambda a: a >> 16,
 }
 
 
-def emulate(asm: str, x2: int, x3: int) -> tuple[int, int]:
-    """Run one string on inputs $2, $3 (uint32); returns ($0, $1)."""
-    regs = {"$2": x2, "$3": x3}
+def _run(asm: str, regs: dict) -> dict:
+    """Execute a string's statements on `regs` (name -> uint32), which it updates and returns."""
+    # a register pair unpacked from a word: "mov.b32 {$0, $1}, w" (gluon_prefix.unpacked)
+    asm = re.sub(r"mov\.b32 \{(\S+), (\S+)\}, (\w+)", r"lo16 \1, \3; hi16 \2, \3", asm)
     for stmt in asm.replace("{", ";").replace("}", ";").split(";"):
         stmt = stmt.strip()
         if not stmt or stmt.startswith(".reg"):
@@ -62,6 +66,12 @@ def emulate(asm: str, x2: int, x3: int) -> tuple[int, int]:
         dst, *srcs = [s.strip() for s in rest.split(",")]
         vals = [regs[s] if not re.fullmatch(r"(0x[0-9a-fA-F]+|\d+)", s) else int(s, 0) for s in srcs]
         regs[dst] = _OPS[op](*vals) & M32
+    return regs
+
+
+def emulate(asm: str, x2: int, x3: int) -> tuple[int, int]:
+    """Run one string on inputs $2, $3 (uint32); returns ($0, $1)."""
+    regs = _run(asm, {"$2": x2, "$3": x3})
     return regs["$0"], regs["$1"]
 
 
@@ -118,6 +128,25 @@ def test_every_phase_string_decodes_like_the_reference(name, head_dim):
         bad = np.argwhere(got != want)
         assert not len(bad), (f"{name} D{head_dim} phase {p}: {len(bad)} values differ, first at word "
                               f"{lo[bad[0][0]].tolist()}: {got[tuple(bad[0])]:#06x} vs {want[tuple(bad[0])]:#06x}")
+
+
+@pytest.mark.parametrize("name", ["q8_0", "turbo3", "turbo4", "turbo2"])
+def test_the_cascade_producers_word_form_decodes_the_same(name):
+    """`gluon_prefix.unpacked` (the warp-specialised prefix pass's form of a string: words in $4 /
+    $5, one fp16 per output $0..$3) gives the fp16 values of the string it was made from."""
+    pytest.importorskip("triton.experimental.gluon")
+    from polykv.kernels.gluon_prefix import unpacked
+
+    codec = get_codec(name, 128)
+    rng = np.random.default_rng(1)
+    words = rng.integers(0, 2**32, size=(300, 2), dtype=np.uint64)
+    for p, asm in enumerate(s for s in asm_strings(codec) if s):
+        word_form = unpacked(asm)
+        for a, b in words.tolist():
+            o0, o1 = emulate(asm, a, b)
+            regs = _run(word_form, {"$4": a, "$5": b})
+            assert [regs[f"${j}"] for j in range(4)] == [o0 & 0xFFFF, o0 >> 16, o1 & 0xFFFF, o1 >> 16], \
+                f"{name} phase {p}"
 
 
 def test_the_emulator_sees_a_wrong_table():
