@@ -245,9 +245,12 @@ class Speculator:
         may launch before it reads the one in flight (pipelined, as plain decoding runs). True
         counts that step as `propose_all` would (one plain step of the planner); False changes
         nothing. False whenever an agent drafts at a fixed length (it always drafts) or none is
-        adaptive. limits, agents, static: as `propose_all`'s."""
+        adaptive, and when no agent may emit a token in that step (every limit below 0: the step
+        would be wasted — the loop launches it beside the one it is about to run, so the planner's
+        T(0) calibration, which approves any step, made a speculative call one step longer than
+        plain decoding). limits, agents, static: as `propose_all`'s."""
         planner = self.planner
-        if planner is None:
+        if planner is None or all(int(n) < 0 for n in limits.values()):
             return False
         get, adaptive = self._agents.get, False
         for key in limits:

@@ -164,3 +164,19 @@ def test_a_static_batch_forecasts_drafts_before_drafting():
     spec._agents[3].found = True
     assert not spec.plain_next(limits, 4, static=True)
     assert Speculator._left({0: 5, 1: 9, 2: 2}, [0, 2]) == ([6, 3], 10)
+
+
+def test_plain_next_never_approves_a_step_no_agent_needs():
+    """While T(0) is calibrated the planner approves any plain step, and the loop launches the
+    approved step beside the one it is about to run: where every agent's next step is its last
+    (limits of the step after it all below 0), approving it made a speculative call one batch step
+    longer than plain decoding (test_spec_host's flake: 9 steps against 8)."""
+    t = StepTimes()
+    t.observe(4, 2, 1.0)  # a verify step measured, T(0) not yet: calibrating
+    spec = Speculator(None, None, "cuda", times=t)
+    for key in range(4):
+        spec.add(key, [1], SpecConfig("prompt_lookup", 4))
+    assert spec.planner._calibrating(4)
+    assert spec.plain_next({0: 0, 1: -1, 2: -1, 3: -1}, 4)  # agent 0 still emits in that step
+    assert not spec.plain_next({0: -1, 1: -1, 2: -1, 3: -1}, 4)
+    assert spec.pipelined_steps == 1
