@@ -68,19 +68,16 @@ NODE_TYPES = ("KERNEL", "MEMCPY", "MEMSET", "HOST", "GRAPH", "EMPTY", "WAIT_EVEN
               "EXT_SEMAS_SIGNAL", "EXT_SEMAS_WAIT", "MEM_ALLOC", "MEM_FREE", "BATCH_MEM_OP", "CONDITIONAL")
 
 
-def debug_graphs() -> list:
-    """From now on every `torch.cuda.CUDAGraph()` keeps its graph for `graph_nodes` (debug mode is
-    set before its capture); returns the list the graphs are appended to."""
-    made = []
+def debug_graphs() -> None:
+    """From now on (for the rest of the process) every `torch.cuda.CUDAGraph()` keeps its graph for
+    `graph_nodes`: debug mode is set before its capture."""
 
     class Kept(torch.cuda.graphs.CUDAGraph):
         def __init__(self, *args, **kwargs):
             super().__init__(*args, **kwargs)
             self.enable_debug_mode()
-            made.append(self)
 
     torch.cuda.CUDAGraph = Kept
-    return made
 
 
 def _statements(dot: str) -> list[str]:

@@ -98,9 +98,9 @@ def build(launch: dict, block_n: int, pair: str | None = None) -> dict:
             sig[name] = "fp32"
     kw = {k: v for k, v in launch["kw"].items() if k not in ("plan", "launch_pdl")}
     options = dict(num_warps=kw.pop("num_warps"), num_stages=kw.pop("num_stages"))
-    k, v = ("q8_0", "q8_0") if pair is None else pair.split("/")
+    kname, vname = ("q8_0", "q8_0") if pair is None else pair.split("/")
     d = D if pair is None else 128
-    ka, va = asm_strings(get_codec(k, d)), asm_strings(get_codec(v, d))  # the GPU's dec="auto"
+    ka, va = asm_strings(get_codec(kname, d)), asm_strings(get_codec(vname, d))  # the GPU's dec="auto"
     kw.update(BLOCK_N=block_n, K_DEC=1, V_DEC=1, PDL=True, **{f"KA{i}": ka[i] for i in range(8)},
               **{f"VA{i}": va[i] for i in range(8)})
     for k, v in kw.items():
