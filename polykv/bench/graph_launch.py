@@ -70,11 +70,15 @@ NODE_TYPES = ("KERNEL", "MEMCPY", "MEMSET", "HOST", "GRAPH", "EMPTY", "WAIT_EVEN
 
 def debug_graphs() -> None:
     """From now on (for the rest of the process) every `torch.cuda.CUDAGraph()` keeps its graph for
-    `graph_nodes`: debug mode is set before its capture."""
+    `graph_nodes`: constructed with keep_graph=True (the cudaGraph_t is kept beside the executable
+    one, instantiated at the first replay) and in debug mode. Debug mode alone left `debug_dump`
+    an empty file on torch 2.11 (session 24's census: no node read)."""
 
     class Kept(torch.cuda.graphs.CUDAGraph):
-        def __init__(self, *args, **kwargs):
-            super().__init__(*args, **kwargs)
+        # torch's __new__ forwards its argument to the binding's allocation only: the C++ graph
+        # is built by the binding's __init__, which takes the constructor's arguments
+        def __init__(self, keep_graph: bool = False):
+            super().__init__(True)
             self.enable_debug_mode()
 
     torch.cuda.CUDAGraph = Kept

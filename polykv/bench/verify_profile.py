@@ -49,6 +49,17 @@ def smollm2_shape(device, dtype=torch.bfloat16, layers: int = 30, vocab: int = 4
     return model.eval()
 
 
+def device_ops(prof, steps: int) -> dict:
+    """{kernels, memcpy, memset}: device operations per step of a torch.profiler run (what a
+    captured step's graph holds as nodes, dependencies aside)."""
+    out = {"kernels": 0, "memcpy": 0, "memset": 0}
+    for e in prof.key_averages():
+        if e.device_type == torch.autograd.DeviceType.CUDA and getattr(e, "device_time_total", 0) > 0:
+            kind = "memcpy" if e.key.startswith("Memcpy") else "memset" if e.key.startswith("Memset") else "kernels"
+            out[kind] += e.count
+    return {k: round(v / steps, 1) for k, v in out.items()}
+
+
 def _host_top(prof: cProfile.Profile, steps: int, n: int = 15) -> list[dict]:
     """The n functions with the most time of their own (waits included), ms per step."""
     st = pstats.Stats(prof).stats  # {(file, line, name): (calls, ncalls, tottime, cumtime, callers)}
@@ -59,9 +70,12 @@ def _host_top(prof: cProfile.Profile, steps: int, n: int = 15) -> list[dict]:
 
 
 def run(agents: int = 32, ctx: int = 2048, widths=(0, 1, 2, 4), steps: int = 6, layers: int = 30,
-        device: str = "cuda", recent: int = 8, log=print, graph_nodes: bool = False) -> dict:
+        device: str = "cuda", recent: int = 8, log=print, graph_nodes: bool = False,
+        joins=()) -> dict:
     """graph_nodes (CUDA): also the node census of each captured step (`graph_launch.graph_nodes`),
-    keyed "<agents>x<columns>"."""
+    keyed "<agents>x<columns>". joins: prompt lengths P of join rows (width "join P"): every step
+    one agent leaves and a new one joins with a P-token prompt, prefilled in the step that decodes
+    the others (continuous batching's join step: the captured prefill step, `DecodeGraphs.run_prefill`)."""
     from polykv.bench import graph_launch
     from polykv.bench.step_profile import top_kernels
     from polykv.pool import SharedKVPool
@@ -81,7 +95,7 @@ def run(agents: int = 32, ctx: int = 2048, widths=(0, 1, 2, 4), steps: int = 6, 
     kmax = max(widths)
     # 4 x steps per width (warm-up, timed, host-profiled, device-profiled), each adding 1 row per
     # agent when its drafts are rolled back and at most kmax + 1 otherwise
-    cap = 16 + 4 * steps * len(widths) * (kmax + 1) + 8
+    cap = 16 + 4 * steps * (len(widths) * (kmax + 1) + len(joins)) + 8 + max(joins, default=0)
     rows = []
     with torch.inference_mode(), pool.open_batch(doc, capacity=agents, seq_capacity=cap, graphs=cuda) as b:
         if kmax:
@@ -118,39 +132,60 @@ def run(agents: int = 32, ctx: int = 2048, widths=(0, 1, 2, 4), steps: int = 6, 
                 toks, ahead = {a: ids[-1] for a, ids in pending.result().items()}, False
             return t1 - t0, t2 - t1, time.perf_counter() - t2
 
-        for w in widths:
+        def join(p):
+            """One join step: the oldest agent leaves, a new one joins with a p-token prompt (feed,
+            launch, result as `step`; the step is synchronous: step_tokens)."""
+            nonlocal toks, ahead
+            t0 = time.perf_counter()
+            gone = min(toks)
+            b.remove(gone)
+            del toks[gone]
+            if not ahead:
+                b.feed(toks)
+            b.add(torch.randint(3, V, (p,), generator=g).tolist())
+            t1 = time.perf_counter()
+            toks, ahead = b.step_tokens(), False
+            return t1 - t0, 0.0, time.perf_counter() - t1
+
+        for w in [*widths, *(f"join {p}" for p in joins)]:
+            run_step = (lambda _w=w: join(int(_w.split()[1]))) if isinstance(w, str) else (lambda _w=w: step(_w))
             for _ in range(steps):  # warm-up: captures, first replays
-                step(w)
+                run_step()
             walls, phases = [], []
             for _ in range(steps):
                 if cuda:
                     torch.cuda.synchronize()
                 t0 = time.perf_counter()
-                phases.append(step(w))
+                phases.append(run_step())
                 if cuda:
                     torch.cuda.synchronize()
                 walls.append((time.perf_counter() - t0) * 1e3)
-            row = dict(width=w, query_rows_per_kv_head=agents * 3 * (w + 1),
+            row = dict(width=w, query_rows_per_kv_head=agents * 3 * (w + 1 if isinstance(w, int) else 1),
                        ms_wall_median=round(statistics.median(walls), 3), ms_wall=[round(x, 3) for x in walls],
                        **{f"ms_host_{name}": round(statistics.median(p[i] for p in phases) * 1e3, 3)
                           for i, name in enumerate(("feed", "launch", "result"))})
             with cProfile.Profile() as prof_host:  # the host's Python, the device work waited for
                 for _ in range(steps):
-                    step(w)
+                    run_step()
             row["host_top"] = _host_top(prof_host, steps)
             if cuda:
                 with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU,
                                                         torch.profiler.ProfilerActivity.CUDA]) as prof:
                     for _ in range(steps):
-                        step(w)
+                        run_step()
                     torch.cuda.synchronize()
                 row["device_ms_per_step"], row["top"] = top_kernels(prof, steps)
+                row["device_ops_per_step"] = device_ops(prof, steps)
             rows.append(row)
             if graph_nodes and cuda:
-                for (B, n_q), cap in b._graphs._graphs.items():
-                    if f"{B}x{n_q}" not in census and cap.graph is not None:
-                        census[f"{B}x{n_q}"] = c = graph_launch.graph_nodes(cap.graph)
-                        log(f"graph {B}x{n_q}: nodes {c['nodes']}, edges {c['edge_styles']}")
+                for kind, caps in (("", b._graphs._graphs), ("prefill ", b._graphs._prefills)):
+                    for (B, n_q), cap in caps.items():
+                        name = f"{kind}{B}x{n_q}"
+                        if name not in census and cap.graph is not None:
+                            census[name] = c = graph_launch.graph_nodes(cap.graph)
+                            log(f"graph {name}: nodes {c['nodes']}, edges {c['edge_styles']}")
+            if cuda and b._graphs is not None:
+                row["prefill_widths"] = b._graphs.prefill_widths()
             log(f"width {w}: wall {row['ms_wall_median']:.3f} ms/step (host: feed {row['ms_host_feed']:.3f}, "
                 f"launch {row['ms_host_launch']:.3f}, result {row['ms_host_result']:.3f})"
                 + (f", device {row['device_ms_per_step']:.3f} ms/step" if cuda else ""))
@@ -173,19 +208,22 @@ def main() -> None:
     ap.add_argument("--layers", type=int, default=30)
     ap.add_argument("--device", default="cuda", choices=("cuda", "cpu"))
     ap.add_argument("--recent", type=int, default=8)
+    ap.add_argument("--joins", default="", help="prompt lengths of join rows (e.g. 16,32): one agent "
+                    "leaves and one joins with such a prompt every step")
     ap.add_argument("--graph-nodes", action="store_true",
                     help="also the node census of each captured step's graph (CUDA's DOT dump)")
     ap.add_argument("--out", default=os.environ.get("OUT", "."))
     a = ap.parse_args()
     res = run(a.agents, a.ctx, tuple(int(x) for x in a.widths.split(",")), a.steps, a.layers, device=a.device,
-              recent=a.recent, graph_nodes=a.graph_nodes)
+              recent=a.recent, graph_nodes=a.graph_nodes, joins=tuple(int(x) for x in a.joins.split(",") if x))
     os.makedirs(a.out, exist_ok=True)
     with open(os.path.join(a.out, "verify_profile.json"), "w") as f:
         json.dump(res, f, indent=1)
     base = {r["width"]: r for r in res["rows"]}.get(0)
     for r in res["rows"]:
         print(f"== width {r['width']} ({r['query_rows_per_kv_head']} rows per KV head): "
-              f"wall {r['ms_wall_median']:.3f} ms" + (f", device {r['device_ms_per_step']:.3f} ms/step"
+              f"wall {r['ms_wall_median']:.3f} ms" + (f", device {r['device_ms_per_step']:.3f} ms/step, "
+                                                      f"ops {r['device_ops_per_step']}"
                                                       if "device_ms_per_step" in r else ""))
         print(f"   host: feed {r['ms_host_feed']:.3f}, launch {r['ms_host_launch']:.3f}, "
               f"result (wait + host half) {r['ms_host_result']:.3f} ms; own time per step under cProfile:")

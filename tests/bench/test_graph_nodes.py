@@ -31,3 +31,31 @@ def test_graph_nodes_counts_types_edges_and_kernels():
     assert c["nodes"] == {"KERNEL": 2, "MEMSET": 1, "EVENT_RECORD": 1}
     assert c["edges"] == 3 and c["edge_styles"] == {"dashed": 1, "plain": 2}
     assert c["kernels"] == {"_Z21_phase_decode_kernelPvS_": 1, "nvjet_sm90_tst_64x8_h": 1}
+
+
+def test_debug_graphs_keeps_every_graph(monkeypatch):
+    """`debug_graphs` makes every later torch.cuda.CUDAGraph() a kept graph (keep_graph=True) in
+    debug mode: the binding builds the C++ graph from __init__'s arguments, so a keep_graph given
+    only to __new__ is lost (session 24's census read empty dumps)."""
+    import torch
+
+    from polykv.bench import graph_launch
+
+    made = []
+
+    class Binding:  # stands in for torch's CUDAGraph (no CUDA here)
+        def __new__(cls, keep_graph=False):
+            return object.__new__(cls)
+
+        def __init__(self, keep_graph=False):
+            made.append(["keep" if keep_graph else "drop"])
+
+        def enable_debug_mode(self):
+            made[-1].append("debug")
+
+    monkeypatch.setattr(torch.cuda.graphs, "CUDAGraph", Binding)
+    monkeypatch.setattr(torch.cuda, "CUDAGraph", Binding)
+    graph_launch.debug_graphs()
+    torch.cuda.CUDAGraph()
+    torch.cuda.CUDAGraph(keep_graph=False)
+    assert made == [["keep", "debug"], ["keep", "debug"]]
