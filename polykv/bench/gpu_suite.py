@@ -403,9 +403,9 @@ def quantize_bench():
     from polykv.pool.ring import AgentRings
 
     R, rq = 8, get_codec("q8_0", 128)
-    _, seg_rows, _, ring_rows, _ = AgentRings._indices(
-        torch.arange(G, device=DEV), torch.full((G,), 100, device=DEV), torch.ones(G, 1, dtype=torch.bool,
-                                                                                   device=DEV), 1, R, R, G * R, DEV)
+    seg_rows, ring_rows, *_ = AgentRings._indices(
+        torch.arange(G, device=DEV), torch.full((G,), 100, device=DEV), torch.zeros(G, 1, dtype=torch.long,
+                                                                                    device=DEV), -1, 1, R, R, G * R, DEV)
     rings = {m: (rq.empty((8, G * R + 1), device=DEV), rq.empty((8, G * R + 1), device=DEV)) for m in (1, 2)}
     real = torch.ones(G, 1, dtype=torch.bool, device=DEV)
 
@@ -429,6 +429,28 @@ def quantize_bench():
     RES["quantize"].append(dict(case="ring step + page write 32 agents", ms_two_launches=ms2,
                                 ms_one_launch=ms1))
     log(f"ring step + page write, 32 agents: one launch {ms1 * 1e3:.1f} us, apart {ms2 * 1e3:.1f} us")
+    # a prompt joining (n_q > spare + 1: the ring wraps within the step) against the reference
+    from polykv.kernels.reference import ring_step_ref
+
+    n_q, C = 32, R + 4
+    lens = torch.randint(n_q, 400, (G,), device=DEV)
+    real = torch.ones(G, n_q, dtype=torch.bool, device=DEV)
+    real[::3, :5] = False  # left-padded agents
+    page_rows = torch.where(real, 0, -1)
+    seg_rows, ring_rows, *_ = AgentRings._indices(torch.randperm(G, device=DEV), lens, page_rows, -1, n_q, R, C,
+                                                  G * C, DEV)
+    kw, vw = (torch.randn(G, 8, n_q, 128, device=DEV, dtype=torch.float16) * 3 for _ in range(2))
+    got_ring = (rq.encode(torch.randn(8, G * C + 1, 128, device=DEV)), rq.encode(torch.randn(8, G * C + 1, 128, device=DEV)))
+    want_ring = tuple(Packed(p.codes.clone(), p.scales.clone()) for p in got_ring)
+    got = ring_step(*got_ring, kw, vw, ring_rows, seg_rows, real, wraps=True)
+    want = tuple(rq.empty((G, 8, R - 1 + n_q), device=DEV) for _ in range(2))
+    ring_step_ref(*want_ring, kw, vw, ring_rows, seg_rows, real, *want)
+    def held(t):  # a ring's rows but its scratch row (where padded columns land, in any order)
+        return t[:, : G * C] if t.dim() == 3 else t
+
+    same = all(torch.equal(held(a), held(b)) for x, y in (*zip(got, want), *zip(got_ring, want_ring))
+               for a, b in ((x.codes, y.codes), (x.scales, y.scales)))
+    check("ring step of a 32-token feed (the ring wraps: R = 8, C = 12, 32 agents) = reference", same)
 
 
 @section("window")

@@ -482,28 +482,35 @@ def ring_indices(slots, lens: torch.Tensor, page_rows: torch.Tensor, page_scratc
     return ref.ring_indices_ref(slots, lens, page_rows, page_scratch, R, C, scratch_row, off, newest)
 
 
+#: Columns x head_dim past which a long feed's ring step (`ring_step`, wraps=True) takes the torch
+#: ops: the kernel holds the feed's [n_q, D] rows in registers, one program per agent and head.
+RING_WRAP_MAX_ELEMENTS = 128 * 128
+
+
 def ring_step(ring_k: Packed, ring_v: Packed, k: torch.Tensor, v: torch.Tensor, rows: torch.Tensor,
               seg_rows: torch.Tensor, real: torch.Tensor,
-              pages: KVTarget | None = None) -> tuple[Packed, Packed]:
-    """One decode / verify step of a q8_0 recent window (`reference.ring_step_ref` defines it):
-    stores k, v [G, Hkv, n_q, D] at ring rows `rows` [G, n_q] and returns the segment of ring rows
-    `seg_rows` [G, W] as (k, v) q8_0 Packed leading [G, Hkv, W]; with pages, also writes k, v to
-    that target (`KVTarget.write`, the agents' pages). On the Triton path one launch for all of it
-    (`triton_ring`), where the torch ops take about fourteen."""
-    G, H, _, D = k.shape
+              pages: KVTarget | None = None, wraps: bool = False) -> tuple[Packed, Packed]:
+    """One forward's rows of a q8_0 recent window (`reference.ring_step_ref` defines it): stores
+    k, v [G, Hkv, n_q, D] at ring rows `rows` [G, n_q] and returns the segment seg_rows [G, W] reads
+    (the real columns' rows, the rest of the ring as before the stores) as (k, v) q8_0 Packed
+    leading [G, Hkv, W]; with pages, also writes k, v to that target (`KVTarget.write`, the agents'
+    pages). wraps: the stores may overwrite segment rows (R - 1 + n_q > C: a prompt's feed). On the
+    Triton path one launch for all of it (`triton_ring`), where the torch ops take about fourteen
+    (a feed of more than RING_WRAP_MAX_ELEMENTS columns x head_dim: the torch ops)."""
+    G, H, n_q, D = k.shape
     codec = get_codec("q8_0", D)
     shape = (G, H, seg_rows.shape[1])
     # every row is written: no zero fill (two memsets per tensor in a captured step)
     seg_k, seg_v = (Packed(torch.empty(*shape, codec.code_bytes, dtype=codec.code_dtype, device=k.device),
                            torch.empty(*shape, codec.n_scales, dtype=torch.float16, device=k.device))
                     for _ in range(2))
-    if use_triton(k, ring_k.codes):
+    if use_triton(k, ring_k.codes) and (not wraps or n_q * D <= RING_WRAP_MAX_ELEMENTS):
         _k()
         from .triton_ring import ring_step_triton
 
         if pages is not None:
             pages = pages._replace(k_codec=as_codec(pages.k_codec, D), v_codec=as_codec(pages.v_codec, D))
-        if not ring_step_triton(ring_k, ring_v, k, v, rows, seg_rows, real, seg_k, seg_v, pages):
+        if not ring_step_triton(ring_k, ring_v, k, v, rows, seg_rows, real, seg_k, seg_v, pages, wraps):
             pages.write(k, v)  # more rows than one launch writes to the pages
     else:
         ref.ring_step_ref(ring_k, ring_v, k, v, rows, seg_rows, real, seg_k, seg_v)

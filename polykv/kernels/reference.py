@@ -77,20 +77,25 @@ def quantize_ref(x: torch.Tensor, codec, innerq: torch.Tensor | None = None) -> 
 def ring_step_ref(ring_k: Packed, ring_v: Packed, k: torch.Tensor, v: torch.Tensor,
                   rows: torch.Tensor, seg_rows: torch.Tensor, real: torch.Tensor,
                   seg_k: Packed, seg_v: Packed) -> None:
-    """One step of a q8_0 recent window (polykv.pool.ring): k, v [G, Hkv, n_q, D] (true space) are
-    encoded to q8_0 and stored at ring rows `rows` int64 [G, n_q] of ring_k / ring_v (Packed
-    leading [Hkv, ring_rows]; duplicates only at a scratch row), then the ring rows `seg_rows`
-    int64 [G, W] are read into seg_k / seg_v (Packed leading [G, Hkv, W]). real bool [G, n_q]
-    (the real columns) is what the kernel needs to read the segment without a store-then-read:
-    here it changes nothing, as long as the caller's rows keep the segment's W positions on
-    distinct ring rows and store every real column (a decode or verify step)."""
+    """One forward's rows of a q8_0 recent window (polykv.pool.ring): k, v [G, Hkv, n_q, D] (true
+    space) are encoded to q8_0 and stored at ring rows `rows` int64 [G, n_q] of ring_k / ring_v
+    (Packed leading [Hkv, ring_rows]; duplicates only at a scratch row); seg_k / seg_v (Packed
+    leading [G, Hkv, W]) get the segment: row W - n_q + j is column j's encoding where real bool
+    [G, n_q], every other row i is ring row seg_rows[g, i] as it was before this forward's stores.
+    In a decode or verify step (R - 1 + n_q <= C: the segment's positions on distinct ring rows,
+    every real column stored) that is the ring read back after the stores; a long feed (a prompt
+    joining: the ring wraps) overwrites segment rows that it still reads."""
     H = k.shape[1]
     flat = rows.reshape(-1)
+    new = real[:, None, :, None]  # [G, 1, n_q, 1]: the real columns among the segment's last n_q rows
     for ring, seg, x in ((ring_k, seg_k, k), (ring_v, seg_v, v)):
         enc = quantize_ref(x, get_codec("q8_0", x.shape[-1]))
         for r, sg, e in ((ring.codes, seg.codes, enc.codes), (ring.scales, seg.scales, enc.scales)):
+            old = r[:, seg_rows].permute(1, 0, 2, 3)  # [G, Hkv, W, *], before the stores
+            n_q = e.shape[2]
+            sg[:, :, : -n_q].copy_(old[:, :, : -n_q])
+            sg[:, :, -n_q:].copy_(torch.where(new, e.to(r.dtype), old[:, :, -n_q:]))
             r[:, flat] = e.permute(1, 0, 2, 3).reshape(H, flat.numel(), -1).to(r.dtype)
-            sg.copy_(r[:, seg_rows].permute(1, 0, 2, 3))
 
 
 def ring_indices_ref(slots, lens: torch.Tensor, page_rows: torch.Tensor, page_scratch: int, R: int,

@@ -53,17 +53,18 @@ def _ring_step_kernel(K, V, ROWS, SEG_ROWS, REAL, RKC, RKS, RVC, RVS, SKC, SKS, 
                       PAGE_T: tl.constexpr = 16, KIND_K: tl.constexpr = 1, BITS_K: tl.constexpr = 8,
                       G_K: tl.constexpr = 32, HAS_S: tl.constexpr = False, SPLIT_K: tl.constexpr = False,
                       KIND_V: tl.constexpr = 1, BITS_V: tl.constexpr = 8, G_V: tl.constexpr = 32,
-                      SPLIT_V: tl.constexpr = False):
+                      SPLIT_V: tl.constexpr = False, WRAPS: tl.constexpr = False):
     # program (g, h): agent g's KV head h. Ring [HKV, RING_ROWS, *]; segment [G, HKV, W, *].
-    # PAGES: the same rows also to the pages (`_quantize_tile` of quantize-on-write, positions PPOS)
+    # PAGES: the same rows also to the pages (`_quantize_tile` of quantize-on-write, positions PPOS).
+    # WRAPS: the stores may hit ring rows the segment reads (a long feed): every thread's reads
+    # first. Agent g's ring rows are its own, so no other program touches them.
     pid = tl.program_id(0)
     g = (pid // HKV).to(tl.int64)
     h = (pid % HKV).to(tl.int64)
     NB: tl.constexpr = D // 32
     ring0 = h * RING_ROWS
     seg0 = (g * HKV + h) * W
-    # the segment's rows that are not new real columns: from the ring, untouched by this step
-    # (the W positions are distinct ring rows: the caller's condition R - 1 + n_q <= C)
+    # the segment's rows that are not new real columns: from the ring as it was before this step
     i = tl.arange(0, WP)
     j_of_i = i - (W - NQ)
     new_i = (j_of_i >= 0) & (i < W)
@@ -74,6 +75,8 @@ def _ring_step_kernel(K, V, ROWS, SEG_ROWS, REAL, RKC, RKS, RVC, RVS, SKC, SKS, 
     _copy_rows(RKS, SKS, src, seg0 + i, old, NB)
     _copy_rows(RVC, SVC, src, seg0 + i, old, D)
     _copy_rows(RVS, SVS, src, seg0 + i, old, NB)
+    if WRAPS:
+        tl.debug_barrier()
     # the new columns: encoded once, stored to the ring (scratch row where not kept) and the segment
     j = tl.arange(0, NQP)
     jmask = j < NQ
@@ -91,13 +94,14 @@ def _ring_step_kernel(K, V, ROWS, SEG_ROWS, REAL, RKC, RKS, RVC, RVS, SKC, SKS, 
 
 def ring_step_triton(ring_k: Packed, ring_v: Packed, k: torch.Tensor, v: torch.Tensor,
                      rows: torch.Tensor, seg_rows: torch.Tensor, real: torch.Tensor,
-                     seg_k: Packed, seg_v: Packed, pages=None) -> bool:
+                     seg_k: Packed, seg_v: Packed, pages=None, wraps: bool = False) -> bool:
     """See `reference.ring_step_ref` (the same arguments and effects, bit for bit): ring_k / ring_v
     q8_0 Packed leading [Hkv, ring_rows] (contiguous); k, v [G, Hkv, n_q, D] (last dim contiguous);
     rows int64 [G, n_q]; seg_rows int64 [G, W]; real bool [G, n_q]; seg_k / seg_v q8_0 Packed leading
     [G, Hkv, W] (contiguous), written. pages (`dispatch.KVTarget`, codecs as Codec objects): k, v
     also written there in the same launch — bit for bit `quantize_kv_into` — where n_q <=
-    PAIR_MAX_ROWS; returns whether pages (if any) were written."""
+    PAIR_MAX_ROWS; returns whether pages (if any) were written. wraps: the stores may overwrite ring
+    rows the segment reads (R - 1 + n_q > C, a prompt's feed): the segment is read first."""
     G, H, NQ, D = k.shape
     W = seg_rows.shape[1]
     if k.stride(-1) != 1 or v.stride(-1) != 1:
@@ -117,6 +121,7 @@ def ring_step_triton(ring_k: Packed, ring_v: Packed, k: torch.Tensor, v: torch.T
                       seg_k.codes, seg_k.scales, seg_v.codes, seg_v.scales, k.stride(0), k.stride(1),
                       k.stride(2), v.stride(0), v.stride(1), v.stride(2), H, ring_k.codes.shape[1],
                       NQ, W, *page_args, D=D, NQP=next_pow2(NQ), WP=next_pow2(W), **page_meta,
+                      **({"WRAPS": True} if wraps else {}),
                       enable_fp_fusion=False)  # quantize-on-write's exact q8_0 / turbo arithmetic
     return fused or pages is None
 

@@ -83,14 +83,6 @@ class _RingLayer:
                         a[:, di] = b[:, si]
         self.k, self.v, self.capacity, self.slots = k, v, new_c, int(slots)
 
-    def gather(self, rows: torch.Tensor) -> tuple[Packed, Packed]:
-        """Rows int64 [G, W] -> (k, v) Packed leading [G, Hkv, W] (copies)."""
-        def take(x):
-            return None if x is None else x[:, rows].permute(1, 0, 2, 3)
-
-        return (Packed(take(self.k.codes), take(self.k.scales)),
-                Packed(take(self.v.codes), take(self.v.scales)))
-
     def scatter(self, rows: torch.Tensor, k: Packed, v: Packed) -> None:
         """Store k, v Packed leading [G, Hkv, T] at rows int64 [G, T] (duplicates only at scratch)."""
         flat = rows.reshape(-1)
@@ -99,12 +91,10 @@ class _RingLayer:
                 if a is not None:
                     a[:, flat] = b.permute(1, 0, 2, 3).reshape(self.kv_heads, flat.numel(), -1).to(a.dtype)
 
-    def copy_slot(self, src: int, dst: int) -> None:
-        c = self.capacity
-        for p in (self.k, self.v):
-            for t in (p.codes, p.scales):
-                if t is not None:
-                    t[:, dst * c: (dst + 1) * c] = t[:, src * c: (src + 1) * c]
+    def set_tensors(self, ts: list[torch.Tensor]) -> None:
+        """Take the tensors of `tensors()`' order (views of `AgentRings`' stacks)."""
+        it = iter(ts)
+        self.k, self.v = (Packed(next(it), None if p.scales is None else next(it)) for p in (self.k, self.v))
 
 
 class AgentRings:
@@ -119,6 +109,22 @@ class AgentRings:
         self.layers = [_RingLayer(r, d, h, slots, self.spare, self.device)
                        for r, d, h in zip(recent, head_dims, kv_heads)]
         self.version = 0  # bumped by every reallocation (captured steps read these tensors)
+        self._stack()
+
+    def _stack(self) -> None:
+        """Layers whose ring tensors have the same shapes (every layer of most models) hold them as
+        views of one tensor per kind, [layers, Hkv, rows, *]: moving a slot (`move`) is then one
+        copy per kind, not one per layer and kind — 120 eager copies for 30 layers, 2.2-2.7 ms of
+        host time per agent leaving a batch on an H100 (BENCHMARKS §8.16)."""
+        groups: dict[tuple, list[_RingLayer]] = {}
+        for lay in self.layers:
+            groups.setdefault(tuple((t.shape, t.dtype) for t in lay.tensors()), []).append(lay)
+        self._groups = []
+        for lays in groups.values():
+            stacks = [torch.stack(ts) for ts in zip(*(lay.tensors() for lay in lays))]
+            for i, lay in enumerate(lays):
+                lay.set_tensors([st[i] for st in stacks])
+            self._groups.append((lays[0].capacity, stacks))
 
     @property
     def slots(self) -> int:
@@ -131,13 +137,16 @@ class AgentRings:
             return
         for lay in self.layers:
             lay.relayout(slots, spare, lens)
+        self._stack()
         self.spare = spare
         self.version += 1
 
     def move(self, src: int, dst: int) -> None:
-        """Slot src's rows become slot dst's (a copy of C rows per layer: `AgentCache.move_slot`)."""
-        for lay in self.layers:
-            lay.copy_slot(src, dst)
+        """Slot src's rows become slot dst's (C rows of every layer: `AgentCache.move_slot`), one
+        copy per stacked tensor (`_stack`)."""
+        for c, stacks in self._groups:
+            for st in stacks:
+                st[:, :, dst * c: (dst + 1) * c] = st[:, :, src * c: (src + 1) * c]
 
     def write(self, li: int, k: torch.Tensor, v: torch.Tensor, slots, lens: torch.Tensor,
               page_rows: torch.Tensor, page_scratch: int, memo: dict | None = None, pages=None):
@@ -155,62 +164,40 @@ class AgentRings:
         from ..kernels import dispatch
 
         lay = self.layers[li]
-        G, _, n_q, _ = k.shape
+        n_q = k.shape[2]
         R, C = lay.recent, lay.capacity
-        dev = k.device
         key = (n_q, R, C, lay.scratch_row)
         idx = None if memo is None else memo.get(key)
         if idx is None:
-            idx = self._indices(slots, lens, page_rows, page_scratch, n_q, R, C, lay.scratch_row, dev)
+            idx = self._indices(slots, lens, page_rows, page_scratch, n_q, R, C, lay.scratch_row, k.device)
             if memo is not None:
                 memo[key] = idx
                 memo[("older", R)] = idx[-1]
-        cols, gather_rows, col, rows, kv_start, real, _ = idx
-        if R - 1 + n_q <= C:
-            # the segment's positions are distinct rows of the ring and every real column is kept
-            # (n_q <= spare + 1: a decode or verify step): store, and read the segment as the
-            # ring then holds it — one launch on the kernels (`dispatch.ring_step`)
-            seg_k, seg_v = dispatch.ring_step(lay.k, lay.v, k, v, rows, gather_rows, real, pages=pages)
-            return seg_k, seg_v, kv_start
-        if pages is not None:
-            pages.write(k, v)
-        enc_k = lay.codec.empty((G, lay.kv_heads, n_q), dev)
-        enc_v = lay.codec.empty((G, lay.kv_heads, n_q), dev)
-        dispatch.quantize_kv_into(enc_k, k, lay.codec, enc_v, v, lay.codec, cols)
-        old_k, old_v = lay.gather(gather_rows)  # before this forward's writes (a long prompt)
-
-        def seg(old: Packed, enc: Packed) -> Packed:
-            def one(o, e):
-                if o is None:
-                    return None
-                return torch.cat([o[:, :, : R - 1], torch.where(col, e.to(o.dtype), o[:, :, R - 1:])], 2)
-
-            return Packed(one(old.codes, enc.codes), one(old.scales, enc.scales))
-
-        seg_k, seg_v = seg(old_k, enc_k), seg(old_v, enc_v)
-        lay.scatter(rows, enc_k, enc_v)
+        gather_rows, rows, kv_start, real, _ = idx
+        # one launch on the kernels (`dispatch.ring_step`); wraps: a feed longer than the spare
+        # rows (a prompt joining) stores rows its segment reads, which the step reads first
+        seg_k, seg_v = dispatch.ring_step(lay.k, lay.v, k, v, rows, gather_rows, real, pages=pages,
+                                          wraps=R - 1 + n_q > C)
         return seg_k, seg_v, kv_start
 
     @staticmethod
     def _indices(slots, lens: torch.Tensor, page_rows: torch.Tensor, page_scratch: int, n_q: int, R: int,
                  C: int, scratch_row: int, dev) -> tuple:
         """What `write` derives from the forward's slots, lengths and page rows for rings of R
-        recent rows in C (`reference.ring_indices_ref`): (cols int64 [G, n_q] the quantize columns,
-        the window segment's ring rows int64 [G, R - 1 + n_q], its real-column mask bool
-        [G, 1, n_q, 1], the rows to store int64 [G, n_q] (scratch where not kept), kv_start int32
+        recent rows in C (`reference.ring_indices_ref`): (the window segment's ring rows int64
+        [G, R - 1 + n_q], the rows to store int64 [G, n_q] (scratch where not kept), kv_start int32
         [G], the real columns bool [G, n_q], older int32 [G]). Device ops only (captured steps),
         few of them: in a captured step each is a kernel of its own (issue F), so what depends on
         (n_q, R, C) alone is made once (`_ring_constants`), and on the kernels the rest is one
         launch (`dispatch.ring_indices`)."""
         from ..kernels import dispatch
 
-        off, cols, newest = _ring_constants(n_q, R, C, dev)
+        off, newest = _ring_constants(n_q, R, C, dev)
         # segment row i at position L - W + i; column j (position L - n_q + j) kept where real and
         # among the newest C rows (no slot twice); on the kernels all of it in one launch
         slots = slots if isinstance(slots, slice) else slots.to(dev)
-        gather_rows, rows, kv_start, real, older = dispatch.ring_indices(
-            slots, lens.to(dev), page_rows.to(dev), page_scratch, R, C, scratch_row, off, newest)
-        return cols.expand(real.shape[0], n_q), gather_rows, real[:, None, :, None], rows, kv_start, real, older
+        return dispatch.ring_indices(slots, lens.to(dev), page_rows.to(dev), page_scratch, R, C, scratch_row,
+                                     off, newest)
 
     def refill(self, li: int, slot: int, positions: list[int], k: torch.Tensor, v: torch.Tensor) -> None:
         """Write true-space rows k, v [Hkv, T, D] at `positions` of `slot` (a rollback deeper than
@@ -231,16 +218,15 @@ _CONSTANTS: dict = {}
 
 
 def _ring_constants(n_q: int, R: int, C: int, dev) -> tuple:
-    """(off int64 [W] = position - L of the segment's rows, W = R - 1 + n_q; cols int64 [n_q];
-    newest bool [n_q]: the columns among the newest C rows, None when all are), kept per
-    (n_q, R, C, device). Never kept when made inside a CUDA graph capture: their values would
-    exist only in the graph's replays."""
+    """(off int64 [W] = position - L of the segment's rows, W = R - 1 + n_q; newest bool [n_q]:
+    the columns among the newest C rows, None when all are), kept per (n_q, R, C, device). Never
+    kept when made inside a CUDA graph capture: their values would exist only in the graph's
+    replays."""
     key = (n_q, R, C, str(dev))
     c = _CONSTANTS.get(key)
     if c is None:
         W = R - 1 + n_q
-        cols = torch.arange(n_q, device=dev)
-        c = (torch.arange(W, device=dev) - W, cols, None if C >= n_q else cols >= n_q - C)
+        c = (torch.arange(W, device=dev) - W, None if C >= n_q else torch.arange(n_q, device=dev) >= n_q - C)
         if not (torch.device(dev).type == "cuda" and torch.cuda.is_current_stream_capturing()):
             _CONSTANTS[key] = c
     return c

@@ -47,7 +47,7 @@ def test_ring_step_matches_reference(n_q, R, spare, dtype):
     real[3, : n_q - 1] = False  # a left-padded agent (its first columns are not written)
     if n_q == 1:
         real[1] = False  # a padding row of the bucket
-    _, seg_rows, _, rows, *_ = AgentRings._indices(slots, lens, _page_rows(real), -1, n_q, R, C, scratch, "cpu")
+    seg_rows, rows, *_ = AgentRings._indices(slots, lens, _page_rows(real), -1, n_q, R, C, scratch, "cpu")
     k = (torch.randn(G, H, n_q, 2 * D, generator=g) * 3).to(dtype)[..., :D]  # strided rows
     v = (torch.randn(G, H, n_q, D, generator=g) * 3).to(dtype)
     ring_k, ring_v = _ring(g, H, scratch + 1, D), _ring(g, H, scratch + 1, D)
@@ -88,7 +88,7 @@ def test_ring_step_writes_the_pages_in_its_launch(kn, vn, innerq, n_q, spare, mo
     lens = torch.tensor([n_q + 5, n_q, n_q + 1])
     real = torch.ones(G, n_q, dtype=torch.bool)
     real[2, 0] = n_q == 1  # a left-padded agent where there are several columns
-    _, seg_rows, _, rows, *_ = AgentRings._indices(torch.tensor([1, 0, 2]), lens, _page_rows(real), -1, n_q, R,
+    seg_rows, rows, *_ = AgentRings._indices(torch.tensor([1, 0, 2]), lens, _page_rows(real), -1, n_q, R,
                                                    C, scratch, "cpu")
     k, v = (torch.randn(G, H, n_q, D, generator=g) * 3 for _ in range(2))
     kc, vc = get_codec(kn, D), get_codec(vn, D)
@@ -116,3 +116,51 @@ def test_ring_step_writes_the_pages_in_its_launch(kn, vn, innerq, n_q, spare, mo
     for got, want in zip(ring, want_ring):
         assert torch.equal(got.codes[:, :scratch], want.codes[:, :scratch])
         assert torch.equal(got.scales[:, :scratch], want.scales[:, :scratch])
+
+
+@pytest.mark.parametrize("path", ["reference", "kernel"])
+def test_a_long_feed_keeps_the_history(path):
+    """A prompt joining (n_q > C - R + 1: the ring wraps within the step): the segment is the
+    encoding of positions L - W .. L - 1 — its first R - 1 rows read from the ring before the
+    step's stores overwrite them — and the ring then holds the last C positions. Against the
+    history itself, on the reference and on the kernel (the interpreter), also where agents sit in
+    other slots and one column is padding."""
+    from polykv.kernels import dispatch
+    from polykv.kernels.reference import quantize_ref
+
+    g = torch.Generator().manual_seed(11)
+    G, H, D, R, C, n_q, T0 = 3, 2, 64, 4, 6, 12, 9
+    codec = get_codec("q8_0", D)
+    slots, scratch = torch.tensor([2, 0, 1]), 3 * C
+    x = torch.randn(G, H, T0 + n_q, D, generator=g) * 3  # every agent's rows, position by position
+    enc = quantize_ref(x, codec)  # [G, H, T, *]
+    ring_k, ring_v = _ring(g, H, scratch + 1, D), _ring(g, H, scratch + 1, D)
+    for a in range(G):  # the ring before the step: the last C positions of the history
+        for p in range(T0 - C, T0):
+            for ring in (ring_k, ring_v):
+                ring.codes[:, int(slots[a]) * C + p % C] = enc.codes[a, :, p]
+                ring.scales[:, int(slots[a]) * C + p % C] = enc.scales[a, :, p]
+    real = torch.ones(G, n_q, dtype=torch.bool)
+    real[2, 0] = False  # agent 2 feeds n_q - 1 rows: left-padded by one column
+    lens = torch.tensor([T0 + n_q, T0 + n_q, T0 + n_q - 1])
+    seg_rows, rows, kv_start, *_ = AgentRings._indices(slots, lens, _page_rows(real), -1, n_q, R, C, scratch, "cpu")
+    new = x[:, :, T0:].clone()
+    new[2, :, 1:] = x[2, :, T0: T0 + n_q - 1]  # agent 2's rows, right-aligned after its padding
+    if path == "reference":
+        seg_k, seg_v = (codec.empty((G, H, R - 1 + n_q)) for _ in range(2))
+        ring_step_ref(ring_k, ring_v, new, new, rows, seg_rows, real, seg_k, seg_v)
+    else:
+        seg_k, seg_v = dispatch.ring_step(ring_k, ring_v, new, new, rows, seg_rows, real, wraps=True)
+    W = R - 1 + n_q
+    for a in range(G):
+        L = int(lens[a])
+        for i in range(W):
+            p = L - W + i
+            if a == 2 and i == W - n_q:
+                continue  # the padding column's row: not a key (kv_start / the mask skip it)
+            for seg in (seg_k, seg_v):
+                assert torch.equal(seg.codes[a, :, i], enc.codes[a, :, p]), (path, a, i)
+                assert torch.equal(seg.scales[a, :, i], enc.scales[a, :, p]), (path, a, i)
+        for p in range(L - C, L):
+            for ring in (ring_k, ring_v):
+                assert torch.equal(ring.codes[:, int(slots[a]) * C + p % C], enc.codes[a, :, p]), (path, a, p)
