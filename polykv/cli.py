@@ -420,6 +420,8 @@ def bench_spec_cmd(
     requests_per_agent: int = typer.Option(1, "--requests-per-agent", help="Prompts per agent slot: "
                                            "M x agents prompts, at most --agents decoding at once (continuous "
                                            "batching; tok/s is throughput at that concurrency)."),
+    recent: int = typer.Option(0, "--recent", help="The pool's recent window R (0: none, as with explicit "
+                               "--k / --v; the default preset's is 8)."),
     out: Optional[str] = typer.Option(None, "--out", help="Write the JSON result to this file."),
     json_out: bool = typer.Option(False, "--json"),
 ):
@@ -431,7 +433,7 @@ def bench_spec_cmd(
     from .hf.loading import load_model, model_device, model_dtype
 
     wls, ms = tuple(w for w in workloads.split(",") if w), tuple(x for x in methods.split(",") if x)
-    check_args(wls, ms, k, v, requests_per_agent)
+    check_args(wls, ms, k, v, requests_per_agent, recent)
     counts = _ints(agents, "--agents")
     dev = model_device(device)
     m, tok = load_model(model, device=dev, dtype=model_dtype(dtype, dev))
@@ -439,7 +441,7 @@ def bench_spec_cmd(
                         workloads=wls, methods=ms, num_draft_tokens=num_draft_tokens,
                         max_new_tokens=max_new_tokens, repeats=repeats, k=k, v=v, adaptive=not fixed,
                         unwrap=not keep_wraps, row_invariant=row_invariant,
-                        requests_per_agent=requests_per_agent,
+                        requests_per_agent=requests_per_agent, recent=recent,
                         log=lambda s: print(s, file=sys.stderr, flush=True))
     if out:
         Path(out).parent.mkdir(parents=True, exist_ok=True)

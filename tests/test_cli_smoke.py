@@ -185,6 +185,7 @@ def test_demo_preset_and_override(tiny_dir):
     (["demo", "--preset", "fast"], "unknown preset 'fast'"),
     (["bench", "spec", "--workloads", "bogus"], "unknown workloads ['bogus']"),
     (["bench", "spec", "--methods", "bogus"], "unknown speculative method 'bogus'"),
+    (["bench", "spec", "--recent", "-1"], "recent must be >= 0, got -1"),
     (["bench", "fanout", "--agents", "1,x"], "expected comma-separated integers, got '1,x'"),
 ])
 def test_a_users_mistake_is_one_line(monkeypatch, capsys, args, words):

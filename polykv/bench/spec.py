@@ -28,7 +28,9 @@ Diagnostics beside them: step_ms / step_ms_baseline (median ms of a step by its 
 graphs the timed runs captured: each costs warm-up forwards and a capture, per bucket and width),
 widths: {width: steps} the speculative side's planner chose (0 = plain; `Speculator.propose_all`).
 The document's outputs tree (`suffix_tree`) is emptied before every run.
-requests_per_agent = M > 1: each row runs M x agents prompts through `generate(max_batch=agents)`
+recent = R: the pool's recent window (0 by default: explicit k / v take none, as every run before
+session 25; the default preset's R is 8 — `polykv.pool.ring`, where a joining prompt's rows wrap the
+window's ring). requests_per_agent = M > 1: each row runs M x agents prompts through `generate(max_batch=agents)`
 on both sides (continuous batching: a finished agent's slot takes the next prompt), so tok/s is a
 server's throughput at that many concurrent agents rather than the time of one batch that waits for
 its slowest agent; rows then carry requests (the prompts run) beside agents.
@@ -102,25 +104,26 @@ def bench_spec(model, tok, agents=(4,), workloads=("quoting", "freeform"), metho
                num_draft_tokens: int = 4, max_new_tokens: int = 64, repeats: int = 1, k: str = "q8_0",
                v: str = "turbo3", adaptive: bool = True, document: str | None = None, unwrap: bool = True,
                row_invariant: bool = False, log=lambda m: None, sync: bool = False,
-               requests_per_agent: int = 1) -> dict:
+               requests_per_agent: int = 1, recent: int = 0) -> dict:
     import contextlib
     import re
 
     from ..demo import DATA
     from ..spec.invariant import row_invariant as _row_invariant
 
-    check_args(workloads, methods, k, v, requests_per_agent)
+    check_args(workloads, methods, k, v, requests_per_agent, recent)
 
     text = document if document is not None else (DATA / "demo_document.md").read_text(encoding="utf-8")
     if unwrap:  # the file is hard-wrapped at 100 columns; a wrap ("above\nthe") breaks every quote's match
         text = re.sub(r"(?<=\S)\n(?=\S)", " ", text)
     with (_row_invariant(model) if row_invariant else contextlib.nullcontext()):
         out = _bench(model, tok, text, agents, workloads, methods, num_draft_tokens, max_new_tokens, repeats,
-                     k, v, adaptive, log, sync, requests_per_agent)
-    return dict(out, unwrap=unwrap, row_invariant=row_invariant, sync=sync, requests_per_agent=requests_per_agent)
+                     k, v, adaptive, log, sync, requests_per_agent, recent)
+    return dict(out, unwrap=unwrap, row_invariant=row_invariant, sync=sync, requests_per_agent=requests_per_agent,
+                recent=recent)
 
 
-def check_args(workloads, methods, k: str, v: str, requests_per_agent: int = 1) -> None:
+def check_args(workloads, methods, k: str, v: str, requests_per_agent: int = 1, recent: int = 0) -> None:
     """ValueError naming the first bad argument (before any model or document is loaded)."""
     from ..codecs import check_codec_name
     from ..spec import SpecConfig
@@ -133,14 +136,16 @@ def check_args(workloads, methods, k: str, v: str, requests_per_agent: int = 1) 
     check_codec_name(k), check_codec_name(v)
     if requests_per_agent < 1:
         raise ValueError(f"requests_per_agent must be >= 1, got {requests_per_agent}")
+    if recent < 0:
+        raise ValueError(f"recent must be >= 0, got {recent}")
 
 
 def _bench(model, tok, text, agents, workloads, methods, num_draft_tokens, max_new_tokens, repeats, k, v,
-           adaptive, log, sync=False, requests_per_agent: int = 1) -> dict:
+           adaptive, log, sync=False, requests_per_agent: int = 1, recent: int = 0) -> dict:
     from ..pool import SharedKVPool
 
     dev = next(model.parameters()).device
-    pool = SharedKVPool(model, tok, k=k, v=v)
+    pool = SharedKVPool(model, tok, k=k, v=v, recent=recent)
     t0 = time.perf_counter()
     doc = pool.add_document(text, name="demo")
     prefill_s = time.perf_counter() - t0
@@ -275,6 +280,8 @@ def main(argv=None) -> None:
     ap.add_argument("--sync", action="store_true", help="also time the synchronous speculative loop")
     ap.add_argument("--requests-per-agent", type=int, default=1,
                     help="prompts per agent slot (continuous batching at --agents concurrent agents)")
+    ap.add_argument("--recent", type=int, default=0,
+                    help="the pool's recent window R (0: none, as every earlier run; the default preset's is 8)")
     ap.add_argument("--out", default=None)
     a = ap.parse_args(argv)
     if a.device == "cuda" or (a.device is None and torch.cuda.is_available()):
@@ -286,7 +293,7 @@ def main(argv=None) -> None:
                      methods=tuple(x for x in a.methods.split(",") if x), num_draft_tokens=a.num_draft_tokens,
                      max_new_tokens=a.max_new_tokens, repeats=a.repeats, k=a.k, v=a.v, adaptive=not a.fixed,
                      unwrap=not a.keep_wraps, row_invariant=a.row_invariant, sync=a.sync,
-                     requests_per_agent=a.requests_per_agent,
+                     requests_per_agent=a.requests_per_agent, recent=a.recent,
                      log=lambda s: print(s, file=sys.stderr, flush=True))
     text = json.dumps(res, indent=1, default=str) + "\n"
     if a.out:

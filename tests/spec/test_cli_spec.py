@@ -72,23 +72,24 @@ def test_bench_spec_main_without_typer_times_the_sync_loop(tiny_dir, tmp_path, c
 
 
 def test_bench_spec_requests_per_agent_runs_more_prompts_than_agents(tiny_dir, monkeypatch):  # noqa: F811
-    """--requests-per-agent M: M x agents prompts through generate(max_batch=agents) on both sides."""
+    """--requests-per-agent M: M x agents prompts through generate(max_batch=agents) on both sides;
+    --recent R: the pool's recent window (joining prompts wrap its ring)."""
     from polykv.pool import SharedKVPool
 
     seen = []
     generate = SharedKVPool.generate
 
     def spy(self, doc, prompts, **kw):
-        seen.append((len(prompts), kw.get("max_batch")))
+        seen.append((len(prompts), kw.get("max_batch"), self.recent))
         return generate(self, doc, prompts, **kw)
 
     monkeypatch.setattr(SharedKVPool, "generate", spy)
     obj = run_json(["bench", "spec", "--device", "cpu", "--model", tiny_dir, "--agents", "2", "--max-new-tokens", "4",
-                    "--workloads", "quoting", "--requests-per-agent", "3", "--row-invariant"])
+                    "--workloads", "quoting", "--requests-per-agent", "3", "--row-invariant", "--recent", "2"])
     (r,) = obj["rows"]
-    assert r["agents"] == 2 and r["requests"] == 6 and obj["requests_per_agent"] == 3
+    assert r["agents"] == 2 and r["requests"] == 6 and obj["requests_per_agent"] == 3 and obj["recent"] == 2
     assert r["identical"] is True and r["new_tokens"] > 0 and finite(r["speedup"])
-    assert seen and set(seen) == {(6, 2)}  # warm-ups and timed runs, both sides
+    assert seen and set(seen) == {(6, 2, 2)}  # warm-ups and timed runs, both sides
     # the 4 prompts that joined later were prefilled in steps counted apart (both sides)
     assert r["join_steps"] > 0 and r["join_steps_baseline"] > 0 and r["join_ms_baseline"] > 0
     assert r["first_ms"] > 0 and r["first_ms_baseline"] > 0
