@@ -17,7 +17,8 @@ suffix positions (suffix row j sits at absolute position doc_len + j):
   layer sees), as KVCache does.
 
 Storage, per layer: K and V q8_0 rows [Hkv, slots * C + 1] (the last row is scratch, for padded
-writes), C = R_l + spare. Position p of the agent in slot s lives at row s * C + p % C. Every
+writes), C = R_l + spare; the layers of one shape hold theirs as views of one tensor per kind
+(`AgentRings._stack`: moving a slot is one copy per kind). Position p of the agent in slot s lives at row s * C + p % C. Every
 suffix row is written to the pool's pages as before and also here (write-once, the newest C kept).
 `spare` (the most drafts queued in the batch: `AgentBatch.expect_drafts` / `feed_drafts`) keeps
 the rows a rollback of rejected drafts needs: after a cut of m <= spare + 1 rows the window is
@@ -30,7 +31,8 @@ in a captured step): the new rows (real columns: write row != scratch) are encod
 the window segment of the forward is the R - 1 + n_q positions [L - n_q - R + 1, L) of each agent
 (L: its length after the forward) — the ring's rows before the write, the new columns where real —
 and the newest min(C, new) rows are stored — on the kernels in one launch with the rows' page write
-(`dispatch.ring_step(pages=)`). Attention then reads that segment causally with window
+(`dispatch.ring_step(pages=)`; a feed that wraps the ring, R - 1 + n_q > C, reads before it stores:
+`wraps=True`). Attention then reads that segment causally with window
 R (`kv_start` hides positions < 0); the rest is the cascade with suffix lengths L - R (query j sits
 at p_j - R there: it sees suffix rows <= p_j - R), merged by LSE (`AgentCache.attend`).
 """
