@@ -11,8 +11,8 @@ replay + sync over 50 launches, and the GEMM kernels the graph holds (profiled).
 graph_launch.json under $OUT (or --out).
 
 `debug_graphs()` / `graph_nodes()`: the census of a captured graph's nodes (by type, its edges, its
-kernels by name) from CUDA's DOT dump, for comparing two graphs whose launches cost differently
-(`verify_profile.py --graph-nodes`).
+kernels by name) from CUDA's DOT dump, and `replay_host_ms()`: one graph's launch alone, for
+comparing graphs whose launches cost differently (`verify_profile.py --graph-nodes`).
 """
 
 from __future__ import annotations
@@ -82,6 +82,21 @@ def debug_graphs() -> None:
             self.enable_debug_mode()
 
     torch.cuda.CUDAGraph = Kept
+
+
+def replay_host_ms(graph, reps: int = 20, sync=None) -> float:
+    """Median host time (ms) of one `graph.replay()` call, the device idle before each (sync: the
+    wait, default torch.cuda.synchronize). A replay reruns the step on its last inputs: for timing
+    runs only."""
+    sync = torch.cuda.synchronize if sync is None else sync
+    out = []
+    for _ in range(reps):
+        sync()
+        t = time.perf_counter()
+        graph.replay()
+        out.append(time.perf_counter() - t)
+    sync()
+    return statistics.median(out) * 1e3
 
 
 def _statements(dot: str) -> list[str]:

@@ -183,7 +183,9 @@ def run(agents: int = 32, ctx: int = 2048, widths=(0, 1, 2, 4), steps: int = 6, 
                         name = f"{kind}{B}x{n_q}"
                         if name not in census and cap.graph is not None:
                             census[name] = c = graph_launch.graph_nodes(cap.graph)
-                            log(f"graph {name}: nodes {c['nodes']}, edges {c['edge_styles']}")
+                            c["replay_host_ms"] = graph_launch.replay_host_ms(cap.graph)
+                            log(f"graph {name}: nodes {c['nodes']}, edges {c['edge_styles']}, "
+                                f"replay host {c['replay_host_ms']:.3f} ms")
             if cuda and b._graphs is not None:
                 row["prefill_widths"] = b._graphs.prefill_widths()
             log(f"width {w}: wall {row['ms_wall_median']:.3f} ms/step (host: feed {row['ms_host_feed']:.3f}, "

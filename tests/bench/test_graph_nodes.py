@@ -59,3 +59,21 @@ def test_debug_graphs_keeps_every_graph(monkeypatch):
     torch.cuda.CUDAGraph()
     torch.cuda.CUDAGraph(keep_graph=False)
     assert made == [["keep", "debug"], ["keep", "debug"]]
+
+
+def test_replay_host_ms_times_the_call_alone():
+    """`replay_host_ms`: the median of the replay call's own time, the wait (sync) outside it."""
+    import time
+
+    from polykv.bench import graph_launch
+
+    calls = []
+
+    class Slow:
+        def replay(self):
+            calls.append("replay")
+            time.sleep(0.004)
+
+    ms = graph_launch.replay_host_ms(Slow(), reps=5, sync=lambda: (calls.append("sync"), time.sleep(0.02)))
+    assert 4 <= ms < 15  # the 20 ms waits are not in it
+    assert calls == ["sync", "replay"] * 5 + ["sync"]
