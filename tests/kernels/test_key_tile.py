@@ -43,20 +43,24 @@ def test_key_tile_follows_the_rows(interpreter, monkeypatch, rows, tile):
 TOOLS = Path(__import__("triton").__file__).parent / "backends" / "nvidia" / "bin"
 
 
-@pytest.mark.skipif(not (TOOLS / "ptxas").exists(), reason="Triton's bundled ptxas is missing")
-def test_sass_segment_builds_offline():
-    """`polykv.bench.sass_segment` (record in the interpreter, build for sm_90, count SASS) runs in a
-    fresh interpreter: this process runs Triton interpreted, which cannot compile."""
+def _sass_offline(args: list[str]) -> dict:
+    """`polykv.bench.sass_segment.main(args)`'s one row, run in a fresh interpreter: this process
+    runs Triton interpreted, which cannot compile."""
+    import json
     import subprocess
 
     env = {k: v for k, v in os.environ.items() if k not in ("TRITON_INTERPRET", "POLYKV_TRITON_ON_CPU")}
-    code = ("import json; from polykv.bench.sass_segment import main; "
-            "print(json.dumps(main(['--block-n', '16'])))")
+    code = f"import json; from polykv.bench.sass_segment import main; print(json.dumps(main({args!r})))"
     res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=600)
     assert res.returncode == 0, res.stderr[-3000:]
-    import json
-
     (row,) = json.loads(res.stdout.strip().splitlines()[-1])
+    return row
+
+
+@pytest.mark.skipif(not (TOOLS / "ptxas").exists(), reason="Triton's bundled ptxas is missing")
+def test_sass_segment_builds_offline():
+    """`polykv.bench.sass_segment` (record in the interpreter, build for sm_90, count SASS)."""
+    row = _sass_offline(["--block-n", "16"])
     assert row["block_n"] == 16 and row["HMMA"] > 0 and 500 < row["instructions"] < 3000
     assert row["LDL"] == row["STL"] == 0  # no spill at the 16-row tile
 
@@ -66,13 +70,5 @@ def test_sass_segment_counts_a_decode_pair_offline():
     """`sass_segment --decode K/V` (kernels_notes v23's counts): one sequence's decode kernel in
     that pair builds for sm_90; turbo4 keys by the symmetric lookup take fewer byte permutes than
     the 918 of the two-half lookup they replaced."""
-    import json
-    import subprocess
-
-    env = {k: v for k, v in os.environ.items() if k not in ("TRITON_INTERPRET", "POLYKV_TRITON_ON_CPU")}
-    code = ("import json; from polykv.bench.sass_segment import main; "
-            "print(json.dumps(main(['--block-n', '64', '--decode', 'turbo4/turbo3'])))")
-    res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=600)
-    assert res.returncode == 0, res.stderr[-3000:]
-    (row,) = json.loads(res.stdout.strip().splitlines()[-1])
+    row = _sass_offline(["--block-n", "64", "--decode", "turbo4/turbo3"])
     assert row["HMMA"] > 0 and 0 < row["PRMT"] < 918 and row["LDL"] == row["STL"] == 0
