@@ -121,7 +121,7 @@ def ring_step_triton(ring_k: Packed, ring_v: Packed, k: torch.Tensor, v: torch.T
                       seg_k.codes, seg_k.scales, seg_v.codes, seg_v.scales, k.stride(0), k.stride(1),
                       k.stride(2), v.stride(0), v.stride(1), v.stride(2), H, ring_k.codes.shape[1],
                       NQ, W, *page_args, D=D, NQP=next_pow2(NQ), WP=next_pow2(W), **page_meta,
-                      **({"WRAPS": True} if wraps else {}),
+                      WRAPS=bool(wraps),
                       enable_fp_fusion=False)  # quantize-on-write's exact q8_0 / turbo arithmetic
     return fused or pages is None
 

@@ -116,7 +116,7 @@ class AgentRings:
     def _stack(self) -> None:
         """Layers whose ring tensors have the same shapes (every layer of most models) hold them as
         views of one tensor per kind, [layers, Hkv, rows, *]: moving a slot (`move`) is then one
-        copy per kind, not one per layer and kind — 120 eager copies for 30 layers, 2.2-2.7 ms of
+        copy per kind, not one per layer and kind — 120 eager copies for 30 layers, 1.6-6.9 ms of
         host time per agent leaving a batch on an H100 (BENCHMARKS §8.16)."""
         groups: dict[tuple, list[_RingLayer]] = {}
         for lay in self.layers:
