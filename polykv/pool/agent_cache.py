@@ -59,6 +59,10 @@ class Group:
     seq: int  # suffix rows the torch path reads per agent (>= every length)
     slots: torch.Tensor | None = None  # int64 [G] (host)
     new: torch.Tensor | None = None  # int64 [G] lengths after this forward (host)
+    # a split step (`AgentCache.attend`): every agent attends at its last `narrow` columns only,
+    # the agents `wide` (int64 [J], rows of this group, on the device) at all n_q; None: all at n_q
+    wide: torch.Tensor | None = None
+    narrow: int = 0
     # device tensors the recent windows derive from the fields above, made by the first layer that
     # needs them and shared by the rest of this forward (polykv.pool.ring: fewer kernels per layer)
     memo: dict = field(default_factory=dict)
@@ -344,57 +348,95 @@ class AgentCache(Cache):
 
     def attend(self, module, query, key, value, attention_mask, scaling=None, **kwargs):
         li = module.layer_idx
-        if self.rings is not None:
-            return self._attend_ring(li, query, scaling)
+        if self.streamed:
+            return self._attend_streamed(li, query, scaling)
+        g = self._group
+        seg = self._segments.pop(li) if self.rings is not None else None
+        if g.wide is None:
+            return self._cascade(li, query, scaling, self._agents(li, seg, None), seg).transpose(1, 2)
+        # a split step (prompts joining agents that decode): every agent's last `narrow` columns in
+        # one cascade, the wide agents' every column in another, instead of every agent at the
+        # prompt's width (~31 + P of 32 x P columns real: BENCHMARKS §8.16). Padded columns get
+        # zeros: nothing reads what they compute (their K/V rows go to the scratch rows).
+        B, Hq, n_q, D = query.shape
+        shift = n_q - g.narrow
+        out = query.new_zeros(B, n_q, Hq, D)  # token-major, as the cascade's own output
+        narrow = None if seg is None else (*(p.index((slice(None), slice(None), slice(shift, None)))
+                                             for p in seg[:2]), seg[2])
+        out[:, shift:] = self._cascade(li, query[:, :, shift:], scaling, self._agents(li, narrow, shift),
+                                       narrow).transpose(1, 2)
+        if g.wide.numel():
+            wide = None if seg is None else (seg[0].index(g.wide), seg[1].index(g.wide), seg[2])
+            got = self._cascade(li, query.index_select(0, g.wide), scaling, self._agents(li, wide, g.wide), wide)
+            out.index_copy_(0, g.wide, got.transpose(1, 2))
+        return out
+
+    def _agents(self, li: int, seg, part) -> tuple:
+        """What one cascade call of this forward reads per agent: (lens int32 [n], the lengths of
+        the rows older than the window int32 [n] or None, page table int32 [n, pages], the window
+        segment's kv_start int32 [n] or None) for part None (the group's agents), an int s (the
+        same agents, their segment s rows shorter: a split step's narrow columns) or int64 [J]
+        (the agents of those rows). Made once per forward (`Group.memo`) and segment layout."""
+        g = self._group
+        start = None if seg is None else seg[2]
+        kind = None if part is None else "narrow" if isinstance(part, int) else "wide"
+        key = ("agents", kind, id(start))
+        got = g.memo.get(key)
+        if got is None or got[0] is not start:
+            lens = g.lens.to(device=self.device, dtype=torch.int32)
+            # the older rows' lengths max(L - R, 0): made with the ring's indices (`AgentRings.write`)
+            older = None if seg is None else g.memo[("older", self.ring_recent[li])]
+            table = self.pages.device_table()[g.sel]
+            if kind == "narrow" and start is not None:
+                start = (start - part).clamp_min(0)  # the segment starts `part` rows later
+            elif kind == "wide":
+                lens, table = lens.index_select(0, part), table.index_select(0, part)
+                if seg is not None:
+                    older, start = older.index_select(0, part), start.index_select(0, part)
+            got = g.memo[key] = (None if seg is None else seg[2], (lens, older, table, start))
+        return got[1]
+
+    def _cascade(self, li: int, query, scaling, agents: tuple, seg):
+        """One cascade call of layer li for the query rows [n, Hq, n_q, D] of `agents` (`_agents`)
+        with their window segment (k, v Packed [n, Hkv, R - 1 + n_q], kv_start) or None: the
+        shared prefix, the agents' suffix pages (the rows older than the window where there is
+        one) and the segment, merged in the cascade's own combine. Returns [n, Hq, n_q, D]."""
+        lens, older, table, start = agents
+        doc = self.doc_layers[li]
+        sk, sv = self.store[li].pool()
+        recent = None
+        if seg is not None:
+            recent = RecentSegment(seg[0], seg[1], self.rings.layers[li].codec, self.ring_recent[li],
+                                   start, lens)
+        out, _ = cascade_attention(
+            query, doc.keys(), doc.values(), sk, sv, lens if seg is None else older, doc.k_codec,
+            doc.v_codec, sm_scale=scaling, k_innerq=doc.key_scales, window=self.windows[li],
+            prefix_start=self.prefix_start[li], prefix_end=self.doc_len, backend=self.backend,
+            suffix_pages=table, page_size=self.pages.page_size, suffix_rows=self._group.seq,
+            recent=recent)
+        return out
+
+    def _attend_streamed(self, li: int, query, scaling):
+        """Attention of a layer of a host-tier document: the prefix streamed in chunks
+        (`streamed_cascade_attention`); with recent windows the segment, the streamed cascade and
+        their merges apart. Returns [n, n_q, Hq, D]."""
         g = self._group
         doc = self.doc_layers[li]
         sk, sv = self.store[li].pool()
-        if self.streamed:
-            out, _ = streamed_cascade_attention(
-                query, self.streamer.chunks(doc), sk, sv, g.lens, doc.k_codec, doc.v_codec,
-                sm_scale=scaling, k_innerq=doc.key_scales, window=self.windows[li],
-                prefix_start=self.prefix_start[li], prefix_end=self.doc_len, backend=self.backend,
-                suffix_pages=self.pages.device_table()[g.sel], page_size=self.pages.page_size,
-                suffix_rows=g.seq)
+        common = dict(sm_scale=scaling, k_innerq=doc.key_scales, window=self.windows[li],
+                      prefix_start=self.prefix_start[li], prefix_end=self.doc_len, backend=self.backend)
+        P = self.pages.page_size
+        table = self.pages.device_table()[g.sel]
+        if self.rings is None:
+            out, _ = streamed_cascade_attention(query, self.streamer.chunks(doc), sk, sv, g.lens,
+                                                doc.k_codec, doc.v_codec, suffix_pages=table,
+                                                page_size=P, suffix_rows=g.seq, **common)
             return out.transpose(1, 2)
-        out, _ = cascade_attention(
-            query, doc.keys(), doc.values(), sk, sv, g.lens, doc.k_codec, doc.v_codec,
-            sm_scale=scaling, k_innerq=doc.key_scales, window=self.windows[li],
-            prefix_start=self.prefix_start[li], prefix_end=self.doc_len, backend=self.backend,
-            suffix_pages=self.pages.device_table()[g.sel], page_size=self.pages.page_size,
-            suffix_rows=g.seq)
-        return out.transpose(1, 2)
-
-    def _attend_ring(self, li: int, query, scaling):
-        """Attention of a layer with recent windows (`polykv.pool.ring`): the window segment that
-        `update` built (q8_0, causal, window R_l) merged by LSE with the rest — one cascade with
-        suffix lengths L - R_l (query j at p_j - R_l: it sees suffix rows <= p_j - R_l, and the
-        whole prefix; on sliding layers the prefix by the real lengths and the older suffix rows
-        within W - R_l), the segment its third pass (`dispatch.cascade_attention(recent=)`). A
-        streamed (host-tier) document: the segment, the streamed cascade and their merges apart."""
-        g = self._group
-        doc = self.doc_layers[li]
         R, W = self.ring_recent[li], self.windows[li]
         seg_k, seg_v, seg_start = self._segments.pop(li)
         ring = self.rings.layers[li]
-        sk, sv = self.store[li].pool()
-        key = ("main", R)
-        if key not in g.memo:
-            lens = g.lens.to(device=query.device, dtype=torch.int32)
-            # the older rows' lengths max(L - R, 0): made with the ring's indices (`AgentRings.write`)
-            g.memo[key] = (lens, g.memo[("older", R)], self.pages.device_table()[g.sel])
-        lens, main, table = g.memo[key]
-        P = self.pages.page_size
-        common = dict(sm_scale=scaling, k_innerq=doc.key_scales, window=W, prefix_start=self.prefix_start[li],
-                      prefix_end=self.doc_len, backend=self.backend)
-        if not self.streamed:
-            # the window's segment joins the cascade (on the kernels: a third pass of its combine);
-            # sliding layers read the older suffix rows within W - R, the prefix by the real lengths
-            out, _ = cascade_attention(query, doc.keys(), doc.values(), sk, sv, main, doc.k_codec,
-                                       doc.v_codec, suffix_pages=table, page_size=P, suffix_rows=g.seq,
-                                       recent=RecentSegment(seg_k, seg_v, ring.codec, R, seg_start, lens),
-                                       **common)
-            return out.transpose(1, 2)
+        lens = g.lens.to(device=query.device, dtype=torch.int32)
+        main = g.memo[("older", R)]
         out_r, lse_r = dispatch.attention_decode(query, seg_k, seg_v, ring.codec, ring.codec, causal=True,
                                                  sm_scale=scaling, window=R, kv_start=seg_start)
         # full layers: one cascade over the suffix rows older than the window (lengths L - R);

@@ -33,7 +33,12 @@ batch, a prompt joining a running one (continuous batching), a multi-token feed 
 of slots 0..n-1 as left-padded columns of one captured step, n_q = the widest agent's tokens rounded
 up to a power of two (8..PREFILL_MAX: a few captures per bucket), keeping only each agent's last
 column's logits; an agent with nothing to feed gets padding columns only (scratch writes, its length
-unchanged). Eagerly such a step was one forward per layer op — ~100 launches per layer, host-bound on
+unchanged). Where few agents feed more than the kept columns (a prompt joining agents that decode
+or verify), the step splits its attention (`_split`, `AgentCache.attend`): every agent attends at
+its kept columns, the joining agents (their slots uploaded per replay, up to a power of two of
+them) at every column — two cascade calls instead of every agent at the prompt's width, where
+about 31 + P of 32 x P query columns were real (BENCHMARKS §8.16); captured per (bucket, n_q,
+joining agents rounded up). Eagerly such a step was one forward per layer op — ~100 launches per layer, host-bound on
 a GPU: a join cost about as much as ten decode steps (BENCHMARKS §8.13). Longer feeds, and steps
 whose padded columns would cost more FLOPs than the eager forward's host time (`prefill_budget`:
 large models, wide buckets), stay eager. Mixed steps (`run_mixed`): where prompts join agents that
@@ -133,11 +138,12 @@ class _Captured:
     graph: torch.cuda.CUDAGraph | None  # None: the static step runs eagerly (`capture=False`)
     fn: object  # the step itself
     hosts: list[torch.Tensor]  # two pinned int64 [3, B, n_q], used in turn: tokens, flat write
-    # rows, position ids
-    inp: torch.Tensor  # int64 [3, B, n_q] on the device: the last uploaded host buffer
+    # rows, position ids; a split step's [4, B, n_q], its wide agents' slots first in plane 3
+    inp: torch.Tensor  # int64 [3 or 4, B, n_q] on the device: the last uploaded host buffer
     out: dict  # n_q = 1 or a prefill step: "logits" float32 [B, vocab], "greedy" int64 [B] (the
     # last column); n_q > 1: "logits" float32 [B, n_q, vocab], "greedy" int64 [B, n_q]. Written by
     # each replay.
+    wide: int  # agents attending at every column (`DecodeGraphs._split`); B: all (no split)
     uploaded: list = field(default_factory=lambda: [None, None])  # CUDA event after each buffer's copy
     turn: int = 0
 
@@ -204,8 +210,9 @@ class DecodeGraphs:
         """(bucket, n_q) of every captured decode / verify step, sorted."""
         return sorted(self._graphs)
 
-    def prefill_widths(self) -> list[tuple[int, int]]:
-        """(bucket, n_q) of every captured prefill step (`run_prefill`), sorted."""
+    def prefill_widths(self) -> list[tuple[int, int, int]]:
+        """(bucket, n_q, wide) of every captured prefill step (`run_prefill`), sorted; wide: how
+        many agents attend at every column (`split_wide`: bucket, a step that does not split)."""
         return sorted(self._prefills)
 
     def run(self, tokens: list[int], feedback: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
@@ -267,17 +274,24 @@ class DecodeGraphs:
         self._peak = max(self._peak, n)
         B = bucket(n)
         graphs = self._family(keep)
-        if (B, n_q) not in graphs and B < bucket(self._peak):
+        counts = np.fromiter(map(len, columns), dtype=np.int64, count=n)
+        # prefill / mixed steps: the agents that feed more than the kept columns (joining prompts)
+        wide = np.flatnonzero(counts > keep) if keep else None
+
+        def key(b: int) -> tuple:
+            return (b, n_q) if not keep else (b, n_q, self._split(b, n_q, keep, len(wide)))
+
+        if key(B) not in graphs and B < bucket(self._peak):
             # agents finished within this batch: a larger bucket captured for this width serves the
             # last steps (one capture saved); a batch that starts this small captures its own
-            B = min((b for b, w in graphs if w == n_q and B < b <= bucket(self._peak)), default=B)
+            B = min((k[0] for k in graphs if k[1] == n_q and B < k[0] <= bucket(self._peak)
+                     and k == key(k[0])), default=B)
         if B > cache.batch_capacity:
             cache.reserve(B)
         # host bookkeeping: NumPy over [n, n_q] (views of the host lengths and page table), no
         # Python per column (a verify step's columns were a list each per agent)
         lens = cache.lens.numpy()
         base = lens[:n].copy()
-        counts = np.fromiter(map(len, columns), dtype=np.int64, count=n)
         new = base + counts
         pages = cache.pages
         P = pages.page_size
@@ -300,9 +314,9 @@ class DecodeGraphs:
             for w in range(1, self.columns + 1):
                 if (B, w) not in self._graphs:
                     self._capture(B, w)
-        cap = graphs.get((B, n_q))
+        cap = graphs.get(key(B))
         if cap is None or (keep > 1 and cap.out["logits"].shape[1] < keep):
-            cap = self._capture(B, n_q, keep)
+            cap = self._capture(B, n_q, keep, key(B)[2] if keep else B)
         h = cap.staging()
         hn = h.numpy()  # pinned host memory on CUDA, viewed
         pad = self.pad_id
@@ -325,6 +339,10 @@ class DecodeGraphs:
         # padded columns: the positions before the real ones (as AgentCache.begin), clamped
         hn[2, :n] = np.maximum(p + cache.doc_len, 0)
         self._fill_padding(h, n, cache.scratch_row())
+        if cap.wide < B:  # a split step: its wide agents, then others (computed twice, harmless)
+            idx = hn[3].reshape(-1)
+            idx[: len(wide)] = wide
+            idx[len(wide): cap.wide] = np.setdiff1d(np.arange(B), wide)[: cap.wide - len(wide)]
         cap.upload(h)
         fed = int((toks < 0).sum())  # ids only the device knows (feedback)
         if fed:
@@ -342,6 +360,19 @@ class DecodeGraphs:
         lens[:n] = new
         return cap.out
 
+    def _split(self, B: int, n_q: int, keep: int, wide: int) -> int:
+        """How many agents a prefill / mixed step of B agents x n_q columns computes at every
+        column when `wide` of them feed more than the kept columns (joining prompts; the rest
+        attend at their last `keep` columns only, `AgentCache.attend`): the next power of two
+        (one capture serves 1, 2, ... joiners), or B — no split — unless the split step attends
+        at most half the query columns (B x keep + that x n_q <= B x n_q / 2: two cascade calls
+        and the copies joining them cost launches of their own). Host-tier documents do not split
+        (each cascade call streams the prefix)."""
+        if self.cache.streamed:
+            return B
+        got = bucket(wide) if wide else 0
+        return got if 2 * (B * keep + got * n_q) <= B * n_q else B
+
     def _family(self, keep: int) -> dict:
         """The captured steps of a kind by `keep` (`_replay`): decode / verify, prefill, mixed."""
         return self._graphs if not keep else self._prefills if keep == 1 else self._mixed
@@ -354,12 +385,15 @@ class DecodeGraphs:
             hn[1, n:] = scratch
             hn[2, n:] = self.cache.doc_len - 1
 
-    def _capture(self, B: int, n_q: int, keep: int = 0) -> _Captured:
+    def _capture(self, B: int, n_q: int, keep: int = 0, wide: int | None = None) -> _Captured:
         """Build the step of B agents x n_q columns (captured, or eager with capture=False); keep:
         the logits of the last `keep` columns (1: `run_prefill`; more: `run_mixed`), 0: every
-        column's (n_q > 1)."""
+        column's (n_q > 1); wide < B (keep > 0): a split step, every agent attending at its last
+        `keep` columns and `wide` agents (plane 3 of the input) at every column."""
         cache, dev = self.cache, self.cache.device
-        hosts = [torch.empty(3, B, n_q, dtype=torch.long, pin_memory=dev.type == "cuda") for _ in range(2)]
+        wide = B if wide is None else int(wide)
+        planes = 3 if wide == B else 4
+        hosts = [torch.zeros(planes, B, n_q, dtype=torch.long, pin_memory=dev.type == "cuda") for _ in range(2)]
         for host in hosts:
             self._fill_padding(host, 0, cache.scratch_row())  # warm-up writes go to scratch
         inp = hosts[0].to(dev, copy=True)  # never the host buffer itself (CPU)
@@ -370,7 +404,8 @@ class DecodeGraphs:
             ids, rows, pos = inp[0], inp[1], inp[2]
             lens = (pos[:, -1] - cache.doc_len + 1).to(torch.int32)  # the last column's position
             cache._group = Group(sel=slice(0, B), n_q=n_q, rows=rows, lens=lens,
-                                 seq=cache.pages.table.shape[1] * cache.pages.page_size)
+                                 seq=cache.pages.table.shape[1] * cache.pages.page_size,
+                                 wide=inp[3].reshape(-1)[:wide] if wide < B else None, narrow=keep)
             try:
                 # no autograd on the eager path either (capture_step runs it under no_grad): a
                 # codec table cached under inference_mode elsewhere cannot enter a tracked graph
@@ -391,8 +426,8 @@ class DecodeGraphs:
             graph = capture_step(step, self.model, self._mempool, self.warmup)
         else:
             step()  # allocates the outputs the later calls overwrite
-        cap = _Captured(graph, step, hosts, inp, out)
-        self._family(keep)[(B, n_q)] = cap
+        cap = _Captured(graph, step, hosts, inp, out, wide)
+        self._family(keep)[(B, n_q) if not keep else (B, n_q, wide)] = cap
         self.captures += 1
         self.total_captures += 1
         return cap

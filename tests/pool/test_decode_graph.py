@@ -352,9 +352,9 @@ def test_speculation_captures_every_width_before_the_hot_loop(tiny, static_graph
         replays[0] += 1
         return run(self, *a, **kw)
 
-    def record_capture(self, B, n_q, last=False):
+    def record_capture(self, B, n_q, last=False, wide=None):
         (prefills if last else at).append((replays[0], B, n_q))
-        return cap(self, B, n_q, last)
+        return cap(self, B, n_q, last, wide)
 
     monkeypatch.setattr(DecodeGraphs, "_replay", count_replay)
     monkeypatch.setattr(DecodeGraphs, "_capture", record_capture)
@@ -472,10 +472,138 @@ def test_prompts_are_prefilled_through_the_static_step(tiny, static_graphs, monk
         assert not begun  # no eager forward at all
         assert pool.last_generate["answer_ids"] == want.last_generate["answer_ids"]
         parked = pool._docs[doc].parked.graphs
-        assert parked.prefill_widths() == [(2, 8), (2, 16)]  # 9 tokens ran as 16 columns
+        assert parked.prefill_widths() == [(2, 8, 2), (2, 16, 2)]  # 9 tokens ran as 16 columns
         parked.prefill_budget = 2 * 8  # 2 agents x 8 columns: the 16-column step is over budget
         pool.generate(doc, prompts, **kw)
     assert len(begun) == 1 and pool.last_generate["answer_ids"] == want.last_generate["answer_ids"]
+
+
+@pytest.mark.parametrize("family,recent", [("llama", 0), ("llama", 4), ("gemma", 4), ("gemma", 0)])
+def test_a_joining_prompt_splits_the_step(static_graphs, monkeypatch, family, recent):
+    """A prompt joining agents that decode splits the captured step's attention: every agent at
+    its last column, the joining agent at every column (`DecodeGraphs._split`,
+    `AgentCache.attend`; 4 agents, one joins: 4 x 1 + 1 x 8 of 32 columns) — the eager prefill's
+    logits, every step, and the split step really ran. The mixed step (prompts joining agents
+    that verify drafts) splits too: `test_joins_split_the_mixed_step`."""
+    from polykv.pool import decode_graph
+    from polykv.pool.agent_cache import AgentCache
+    from polykv.spec.invariant import row_invariant
+
+    from tests.pool.conftest import CharTok, tiny_gemma, tiny_llama
+
+    model, tok = (tiny_llama() if family == "llama" else tiny_gemma()), CharTok()
+    split = []
+    attend = AgentCache.attend
+    monkeypatch.setattr(AgentCache, "attend", lambda self, *a, **k: (
+        split.append(self._group.wide is not None), attend(self, *a, **k))[1])
+    pool = SharedKVPool(model, tok, k="q8_0", v="turbo3", prefill_chunk=32, recent=recent)
+    pool.max_parked_batches = 0  # each batch its own steps
+    doc = pool.add_document(DOC)
+
+    def run():
+        out = []
+        with pool.open_batch(doc, capacity=4, seq_capacity=16) as b:
+            aids = [b.add(p) for p in ([5, 6, 7], [8, 9], [10, 11, 12, 13])]
+            out.append(b.step())
+            for t in (20, 21):
+                b.feed({a: t for a in aids})
+                out.append(b.step())
+            aids.append(b.add([30, 31, 32, 33, 34, 35]))  # joins: 3 agents decode beside it
+            b.feed({a: 22 for a in aids[:-1]})
+            out.append(b.step())
+            b.feed({a: 23 for a in aids})
+            out.append(b.step())
+        return out
+
+    with row_invariant(model):
+        monkeypatch.setattr(decode_graph, "PREFILL_MAX", 0)  # every prefill eager: the reference
+        want = run()
+        assert not any(split)
+        monkeypatch.setattr(decode_graph, "PREFILL_MAX", 128)
+        got = run()
+    # the join step, every layer: built (capture=False: one forward) and run
+    assert sum(split) == 2 * model.config.num_hidden_layers
+    for w, g in zip(want, got):
+        assert w.keys() == g.keys()
+        for a in w:
+            torch.testing.assert_close(g[a], w[a], rtol=0, atol=1e-5)
+
+
+def split_and_unsplit(family: str, recent: int, head_dim: int = 32) -> tuple:
+    """The same steps split and unsplit (`DecodeGraphs._split` forced to every agent): a prompt
+    joining three decoding agents (`run_prefill`), then one joining three that verify drafts
+    (`run_mixed`, 4 kept columns). Each: (kept logits per step, suffix page pools, windows without
+    their scratch row, lengths, (pages owned, page size), captured prefill and mixed keys)."""
+    from tests.pool.conftest import CharTok, tiny_gemma, tiny_llama
+
+    model = tiny_llama(head_dim=head_dim) if family == "llama" else tiny_gemma(head_dim=head_dim)
+    tok = CharTok()
+    pool = SharedKVPool(model, tok, k="q8_0", v="turbo3", prefill_chunk=32, recent=recent)
+    pool.max_parked_batches = 0
+    doc = pool.add_document(DOC)
+
+    def run(split: bool):
+        with pool.open_batch(doc, capacity=4, seq_capacity=32) as b:
+            g = DecodeGraphs(model, b.cache, pool._pad_id, capture=False)
+            if not split:
+                g._split = lambda B, n_q, keep, wide: B
+            out = [g.run_prefill([[5, 6, 7], [8, 9], [10, 11, 12, 13]])[0]]
+            out.append(g.run([20, 21, 22])[0])
+            out.append(g.run_prefill([[23], [24], [25], list(range(30, 37))])[0])  # 7 tokens: 8 columns
+            out.append(g.run([26, 27, 28, 29])[0])
+            g.expect_columns(4)
+            out.append(g.run_mixed([[40, 41, 42, 43], [44], [45, 46], []], keep=4)[0])  # one waits
+            out.append(g.run_mixed([[47, 48], [49, 50, 51], [52], list(range(60, 72))], keep=4)[0])
+            keys = sorted(g._prefills) + sorted(g._mixed)
+            pools = [t.clone() for st in b.cache.store for t in st.tensors()]
+            rings = [t[:, :-1].clone() for t in b.cache.ring_tensors()]  # the last row is scratch
+            pages = [list(p) for p in b.cache.pages.owned], b.cache.pages.page_size
+            return out, pools, rings, b.cache.lens[:4].clone(), pages, keys
+
+    return run(True), run(False)
+
+
+@pytest.mark.parametrize("family,recent", [("llama", 0), ("llama", 4), ("gemma", 4), ("gemma", 0)])
+def test_split_steps_equal_the_unsplit_ones(family, recent):
+    """A split step (every agent attends at its kept columns, the joining prompt at every column)
+    equals the same step unsplit (`split_and_unsplit`): every kept logit, every live suffix row and
+    window row. Both joins really split (the captured keys); on the kernels:
+    test_split_steps_on_triton_kernels_interpreted."""
+    got, want = split_and_unsplit(family, recent)
+    # (bucket, columns, agents at every column): the batch's first prompts do not split (3 of 4)
+    assert got[5] == [(4, 8, 1), (4, 8, 4), (4, 8, 0), (4, 16, 1)]
+    assert want[5] == [(4, 8, 4), (4, 8, 4), (4, 16, 4)]
+    for x, y in zip(got[0], want[0]):
+        torch.testing.assert_close(x, y, rtol=0, atol=1e-5)
+    assert torch.equal(got[3], want[3]) and got[4] == want[4]
+    for x, y in zip(got[1], want[1]):
+        for slot, n in enumerate(got[3].tolist()):
+            assert torch.equal(_slot_rows(x, got[4], slot, n), _slot_rows(y, want[4], slot, n))
+    for x, y in zip(got[2], want[2]):
+        assert torch.equal(x, y)
+
+
+_SPLIT_SCRIPT = r"""
+import json
+import torch
+from tests.pool.test_decode_graph import split_and_unsplit
+got, want = split_and_unsplit("llama", 4, head_dim=64)  # the kernels' page tile needs head_dim 64
+err = max(float((x - y).abs().max()) for x, y in zip(got[0], want[0]))
+print(json.dumps({"err": err, "keys": got[5], "lens": torch.equal(got[3], want[3]),
+                  "triton": __import__("polykv.kernels.dispatch").kernels.dispatch.use_triton(torch.zeros(1))}))
+"""
+
+
+def test_split_steps_on_triton_kernels_interpreted():
+    """`split_and_unsplit` on Triton's kernels (interpreter, fresh process): the narrow columns read
+    a view of the window segment, the wide agents a gathered copy — the unsplit step's logits
+    within the kernels' rounding (different splits of the same sums)."""
+    from tests.pool.conftest import run_interpreted
+
+    got = run_interpreted(_SPLIT_SCRIPT)
+    assert got["triton"] and got["lens"]
+    assert got["keys"] == [[4, 8, 1], [4, 8, 4], [4, 8, 0], [4, 16, 1]]
+    assert got["err"] < 1e-3
 
 
 def test_prefill_budget_follows_the_weights_per_layer():
@@ -530,7 +658,9 @@ def test_captured_prefill_step_on_cuda(monkeypatch):
     want, _ = run()
     monkeypatch.setattr(decode_graph, "PREFILL_MAX", 128)
     got, widths = run()
-    assert widths == [(4, 16), (4, 32)]  # the prompts (13 tokens) and the joiner (20)
+    # the prompts (13 tokens: 3 of 4 agents at every column) and the joiner (20: split, one agent
+    # at every column)
+    assert widths == [(4, 16, 4), (4, 32, 1)]
     for w, g in zip(want, got):
         assert w.keys() == g.keys()
         for a in w:

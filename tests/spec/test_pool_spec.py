@@ -234,9 +234,9 @@ def test_step_times_persist_across_calls_and_skip_captures(setup, monkeypatch):
     doc = pool.add_document(DOC)
 
     class Slow(DecodeGraphs):
-        def _capture(self, B, n_q, last=False):
+        def _capture(self, B, n_q, last=False, wide=None):
             _time.sleep(0.25)
-            return super()._capture(B, n_q, last)
+            return super()._capture(B, n_q, last, wide)
 
     monkeypatch.setattr(decode_graph, "graphs_supported", lambda cache: True)
     monkeypatch.setattr(decode_graph, "DecodeGraphs", functools.partial(Slow, capture=False))
