@@ -179,8 +179,8 @@ def run(agents: int = 32, ctx: int = 2048, widths=(0, 1, 2, 4), steps: int = 6, 
             rows.append(row)
             if graph_nodes and cuda:
                 for kind, caps in (("", b._graphs._graphs), ("prefill ", b._graphs._prefills)):
-                    for (B, n_q), cap in caps.items():
-                        name = f"{kind}{B}x{n_q}"
+                    for key, cap in caps.items():  # prefill keys: (B, n_q, agents at every column)
+                        name = kind + "x".join(map(str, key))
                         if name not in census and cap.graph is not None:
                             census[name] = c = graph_launch.graph_nodes(cap.graph)
                             c["replay_host_ms"] = graph_launch.replay_host_ms(cap.graph)
