@@ -442,7 +442,11 @@ def quantize_bench():
     kw, vw = (torch.randn(G, 8, n_q, 128, device=DEV, dtype=torch.float16) * 3 for _ in range(2))
     got_ring = (rq.encode(torch.randn(8, G * C + 1, 128, device=DEV)), rq.encode(torch.randn(8, G * C + 1, 128, device=DEV)))
     want_ring = tuple(Packed(p.codes.clone(), p.scales.clone()) for p in got_ring)
-    got = ring_step(*got_ring, kw, vw, ring_rows, seg_rows, real, wraps=True)
+    # two joining agents' segments written by the same launch (a split step's wide agents)
+    idx = torch.tensor([G - 1, 3], device=DEV)
+    pos = torch.full((G,), -1, dtype=torch.long, device=DEV)
+    pos[idx] = torch.arange(2, device=DEV)
+    *got, wide_k, wide_v = ring_step(*got_ring, kw, vw, ring_rows, seg_rows, real, wraps=True, wide=(idx, pos))
     want = tuple(rq.empty((G, 8, R - 1 + n_q), device=DEV) for _ in range(2))
     ring_step_ref(*want_ring, kw, vw, ring_rows, seg_rows, real, *want)
     def held(t):  # a ring's rows but its scratch row (where padded columns land, in any order)
@@ -450,7 +454,10 @@ def quantize_bench():
 
     same = all(torch.equal(held(a), held(b)) for x, y in (*zip(got, want), *zip(got_ring, want_ring))
                for a, b in ((x.codes, y.codes), (x.scales, y.scales)))
-    check("ring step of a 32-token feed (the ring wraps: R = 8, C = 12, 32 agents) = reference", same)
+    same = same and all(torch.equal(w.codes, s.codes[idx]) and torch.equal(w.scales, s.scales[idx])
+                        for w, s in ((wide_k, want[0]), (wide_v, want[1])))
+    check("ring step of a 32-token feed (the ring wraps: R = 8, C = 12, 32 agents; two agents' "
+          "segments also apart) = reference", same)
 
 
 @section("window")

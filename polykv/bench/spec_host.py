@@ -129,8 +129,8 @@ def _static_steps():
     saved = decode_graph.graphs_supported, decode_graph.DecodeGraphs
 
     class Timed(saved[1]):  # each static step's seconds into _STATIC[0]["static"] (a CUDA graph on the GPU)
-        def _capture(self, B, n_q, keep=0):
-            cap = super()._capture(B, n_q, keep)
+        def _capture(self, B, n_q, keep=0, wide=None):
+            cap = super()._capture(B, n_q, keep, wide)
             fn = cap.fn
 
             def timed():

@@ -489,34 +489,48 @@ RING_WRAP_MAX_ELEMENTS = 128 * 128
 
 def ring_step(ring_k: Packed, ring_v: Packed, k: torch.Tensor, v: torch.Tensor, rows: torch.Tensor,
               seg_rows: torch.Tensor, real: torch.Tensor,
-              pages: KVTarget | None = None, wraps: bool = False) -> tuple[Packed, Packed]:
+              pages: KVTarget | None = None, wraps: bool = False, wide: tuple | None = None) -> tuple:
     """One forward's rows of a q8_0 recent window (`reference.ring_step_ref` defines it): stores
     k, v [G, Hkv, n_q, D] at ring rows `rows` [G, n_q] and returns the segment seg_rows [G, W] reads
     (the real columns' rows, the rest of the ring as before the stores) as (k, v) q8_0 Packed
     leading [G, Hkv, W]; with pages, also writes k, v to that target (`KVTarget.write`, the agents'
-    pages). wraps: the stores may overwrite segment rows (R - 1 + n_q > C: a prompt's feed). On the
-    Triton path one launch for all of it (`triton_ring`), where the torch ops take about fourteen
-    (a feed of more than RING_WRAP_MAX_ELEMENTS columns x head_dim: the torch ops)."""
+    pages). wraps: the stores may overwrite segment rows (R - 1 + n_q > C: a prompt's feed).
+    wide: (idx int64 [J], pos int64 [G]: pos[idx[j]] = j, -1 for the other agents) — a split step's
+    joining agents: returns (seg_k, seg_v, wide_k, wide_v), wide_* the segments of the agents idx
+    ([J, Hkv, W]; written by the same launch on the kernels: no gathers). On the Triton path one
+    launch for all of it (`triton_ring`), where the torch ops take about fourteen (a feed of more
+    than RING_WRAP_MAX_ELEMENTS columns x head_dim: the torch ops)."""
     G, H, n_q, D = k.shape
     codec = get_codec("q8_0", D)
-    shape = (G, H, seg_rows.shape[1])
+
+    def empty(n: int) -> Packed:
+        shape = (n, H, seg_rows.shape[1])
+        return Packed(torch.empty(*shape, codec.code_bytes, dtype=codec.code_dtype, device=k.device),
+                      torch.empty(*shape, codec.n_scales, dtype=torch.float16, device=k.device))
+
     # every row is written: no zero fill (two memsets per tensor in a captured step)
-    seg_k, seg_v = (Packed(torch.empty(*shape, codec.code_bytes, dtype=codec.code_dtype, device=k.device),
-                           torch.empty(*shape, codec.n_scales, dtype=torch.float16, device=k.device))
-                    for _ in range(2))
+    seg_k, seg_v = empty(G), empty(G)
+    wide_k = wide_v = None
+    if wide is not None:
+        wide_k, wide_v = empty(wide[0].shape[0]), empty(wide[0].shape[0])
     if use_triton(k, ring_k.codes) and (not wraps or n_q * D <= RING_WRAP_MAX_ELEMENTS):
         _k()
         from .triton_ring import ring_step_triton
 
         if pages is not None:
             pages = pages._replace(k_codec=as_codec(pages.k_codec, D), v_codec=as_codec(pages.v_codec, D))
-        if not ring_step_triton(ring_k, ring_v, k, v, rows, seg_rows, real, seg_k, seg_v, pages, wraps):
+        if not ring_step_triton(ring_k, ring_v, k, v, rows, seg_rows, real, seg_k, seg_v, pages, wraps,
+                                None if wide is None else (wide[1].contiguous(), wide_k, wide_v)):
             pages.write(k, v)  # more rows than one launch writes to the pages
     else:
         ref.ring_step_ref(ring_k, ring_v, k, v, rows, seg_rows, real, seg_k, seg_v)
+        if wide is not None:
+            for out, seg in ((wide_k, seg_k), (wide_v, seg_v)):
+                out.codes.copy_(seg.codes.index_select(0, wide[0]))
+                out.scales.copy_(seg.scales.index_select(0, wide[0]))
         if pages is not None:
             pages.write(k, v)
-    return seg_k, seg_v
+    return (seg_k, seg_v) if wide is None else (seg_k, seg_v, wide_k, wide_v)
 
 
 def dequantize(p: Packed, codec, dtype: torch.dtype = torch.float16, *,

@@ -30,9 +30,11 @@ def _copy_rows(SRC, DST, src_row, dst_row, mask, COLS: tl.constexpr):
 
 
 @triton.jit
-def _encode_rows(X, x_row, jmask, RC, RS, ring_row, SC, SS, seg_row, real, D: tl.constexpr):
+def _encode_rows(X, x_row, jmask, RC, RS, ring_row, SC, SS, seg_row, real, WC, WS, wide_row, wide_real,
+                 D: tl.constexpr, WIDE: tl.constexpr):
     """rows x_row [NQP] of X (true space, last dim contiguous) as q8_0 to the ring rows ring_row
-    (every column: padded ones go to the scratch row) and to the segment rows seg_row where real."""
+    (every column: padded ones go to the scratch row), to the segment rows seg_row where real and,
+    WIDE, to the rows wide_row of the wide segment WC / WS where wide_real."""
     NB: tl.constexpr = D // 32
     d = tl.arange(0, D)
     jb = tl.arange(0, NB)
@@ -42,6 +44,9 @@ def _encode_rows(X, x_row, jmask, RC, RS, ring_row, SC, SS, seg_row, real, D: tl
     tl.store(RS + ring_row[:, None] * NB + jb[None, :], d16, mask=jmask[:, None])
     tl.store(SC + seg_row[:, None] * D + d[None, :], q, mask=real[:, None])
     tl.store(SS + seg_row[:, None] * NB + jb[None, :], d16, mask=real[:, None])
+    if WIDE:
+        tl.store(WC + wide_row[:, None] * D + d[None, :], q, mask=wide_real[:, None])
+        tl.store(WS + wide_row[:, None] * NB + jb[None, :], d16, mask=wide_real[:, None])
 
 
 @triton.jit
@@ -49,15 +54,18 @@ def _ring_step_kernel(K, V, ROWS, SEG_ROWS, REAL, RKC, RKS, RVC, RVS, SKC, SKS, 
                       skg, skh, skt, svg, svh, svt, HKV, RING_ROWS, NQ, W,
                       PPOS, PSCL, PKC, PKS, PVC, PVS, ROT_K, CENT_K, BOUNDS_K, ROT_V, CENT_V, BOUNDS_V,
                       pkcb, pkch, pkcs, pksb, pksh, pkss, pvcb, pvch, pvcs, pvsb, pvsh, pvss,
+                      WPOS, WKC, WKS, WVC, WVS,
                       D: tl.constexpr, NQP: tl.constexpr, WP: tl.constexpr, PAGES: tl.constexpr = False,
                       PAGE_T: tl.constexpr = 16, KIND_K: tl.constexpr = 1, BITS_K: tl.constexpr = 8,
                       G_K: tl.constexpr = 32, HAS_S: tl.constexpr = False, SPLIT_K: tl.constexpr = False,
                       KIND_V: tl.constexpr = 1, BITS_V: tl.constexpr = 8, G_V: tl.constexpr = 32,
-                      SPLIT_V: tl.constexpr = False, WRAPS: tl.constexpr = False):
+                      SPLIT_V: tl.constexpr = False, WRAPS: tl.constexpr = False, WIDE: tl.constexpr = False):
     # program (g, h): agent g's KV head h. Ring [HKV, RING_ROWS, *]; segment [G, HKV, W, *].
     # PAGES: the same rows also to the pages (`_quantize_tile` of quantize-on-write, positions PPOS).
     # WRAPS: the stores may hit ring rows the segment reads (a long feed): every thread's reads
     # first. Agent g's ring rows are its own, so no other program touches them.
+    # WIDE: agent g's segment also to row WPOS[g] of the wide segment [J, HKV, W, *] where >= 0
+    # (a split step's joining agents: written here, not gathered by four launches per layer).
     pid = tl.program_id(0)
     g = (pid // HKV).to(tl.int64)
     h = (pid % HKV).to(tl.int64)
@@ -75,6 +83,16 @@ def _ring_step_kernel(K, V, ROWS, SEG_ROWS, REAL, RKC, RKS, RVC, RVS, SKC, SKS, 
     _copy_rows(RKS, SKS, src, seg0 + i, old, NB)
     _copy_rows(RVC, SVC, src, seg0 + i, old, D)
     _copy_rows(RVS, SVS, src, seg0 + i, old, NB)
+    wide0 = seg0  # never stored to unless WIDE
+    is_wide = False
+    if WIDE:
+        wp = tl.load(WPOS + g).to(tl.int64)
+        is_wide = wp >= 0
+        wide0 = (tl.maximum(wp, 0) * HKV + h) * W
+        _copy_rows(RKC, WKC, src, wide0 + i, old & is_wide, D)
+        _copy_rows(RKS, WKS, src, wide0 + i, old & is_wide, NB)
+        _copy_rows(RVC, WVC, src, wide0 + i, old & is_wide, D)
+        _copy_rows(RVS, WVS, src, wide0 + i, old & is_wide, NB)
     if WRAPS:
         tl.debug_barrier()
     # the new columns: encoded once, stored to the ring (scratch row where not kept) and the segment
@@ -83,8 +101,12 @@ def _ring_step_kernel(K, V, ROWS, SEG_ROWS, REAL, RKC, RKS, RVC, RVS, SKC, SKS, 
     real = (tl.load(REAL + g * NQ + j, mask=jmask, other=0) != 0) & jmask
     ring_row = ring0 + tl.load(ROWS + g * NQ + j, mask=jmask, other=0)
     seg_row = seg0 + W - NQ + j
-    _encode_rows(K, g * skg + h * skh + j * skt, jmask, RKC, RKS, ring_row, SKC, SKS, seg_row, real, D)
-    _encode_rows(V, g * svg + h * svh + j * svt, jmask, RVC, RVS, ring_row, SVC, SVS, seg_row, real, D)
+    wide_row = wide0 + W - NQ + j
+    wide_real = real & is_wide
+    _encode_rows(K, g * skg + h * skh + j * skt, jmask, RKC, RKS, ring_row, SKC, SKS, seg_row, real,
+                 WKC, WKS, wide_row, wide_real, D, WIDE)
+    _encode_rows(V, g * svg + h * svh + j * svt, jmask, RVC, RVS, ring_row, SVC, SVS, seg_row, real,
+                 WVC, WVS, wide_row, wide_real, D, WIDE)
     if PAGES:
         _quantize_tile(K, PPOS, PSCL, PKC, PKS, ROT_K, CENT_K, BOUNDS_K, skg, skh, skt, pkcb, pkch, pkcs,
                        pksb, pksh, pkss, g, h, NQ, 0, D, PAGE_T, KIND_K, BITS_K, G_K, HAS_S, SPLIT_K)
@@ -94,14 +116,17 @@ def _ring_step_kernel(K, V, ROWS, SEG_ROWS, REAL, RKC, RKS, RVC, RVS, SKC, SKS, 
 
 def ring_step_triton(ring_k: Packed, ring_v: Packed, k: torch.Tensor, v: torch.Tensor,
                      rows: torch.Tensor, seg_rows: torch.Tensor, real: torch.Tensor,
-                     seg_k: Packed, seg_v: Packed, pages=None, wraps: bool = False) -> bool:
+                     seg_k: Packed, seg_v: Packed, pages=None, wraps: bool = False,
+                     wide: tuple | None = None) -> bool:
     """See `reference.ring_step_ref` (the same arguments and effects, bit for bit): ring_k / ring_v
     q8_0 Packed leading [Hkv, ring_rows] (contiguous); k, v [G, Hkv, n_q, D] (last dim contiguous);
     rows int64 [G, n_q]; seg_rows int64 [G, W]; real bool [G, n_q]; seg_k / seg_v q8_0 Packed leading
     [G, Hkv, W] (contiguous), written. pages (`dispatch.KVTarget`, codecs as Codec objects): k, v
     also written there in the same launch — bit for bit `quantize_kv_into` — where n_q <=
     PAIR_MAX_ROWS; returns whether pages (if any) were written. wraps: the stores may overwrite ring
-    rows the segment reads (R - 1 + n_q > C, a prompt's feed): the segment is read first."""
+    rows the segment reads (R - 1 + n_q > C, a prompt's feed): the segment is read first. wide:
+    (pos int [G] contiguous, wide_k, wide_v q8_0 Packed leading [J, Hkv, W], contiguous): agent g's
+    segment also to row pos[g] of wide_k / wide_v where pos[g] >= 0 (`dispatch.ring_step`)."""
     G, H, NQ, D = k.shape
     W = seg_rows.shape[1]
     if k.stride(-1) != 1 or v.stride(-1) != 1:
@@ -115,13 +140,18 @@ def ring_step_triton(ring_k: Packed, ring_v: Packed, k: torch.Tensor, v: torch.T
     else:
         dummy = placeholder(dev)
         page_args, page_meta = (dummy,) * 12 + (0,) * 12, {}
+    if wide is None:
+        wide_args = (placeholder(dev),) * 5
+    else:
+        pos, wk, wv = wide
+        wide_args = (pos, wk.codes, wk.scales, wv.codes, wv.scales)
     if G * H:
         cached_launch(_ring_step_kernel, (G * H,), k, v, rows.contiguous(), seg_rows.contiguous(),
                       real.contiguous(), ring_k.codes, ring_k.scales, ring_v.codes, ring_v.scales,
                       seg_k.codes, seg_k.scales, seg_v.codes, seg_v.scales, k.stride(0), k.stride(1),
                       k.stride(2), v.stride(0), v.stride(1), v.stride(2), H, ring_k.codes.shape[1],
-                      NQ, W, *page_args, D=D, NQP=next_pow2(NQ), WP=next_pow2(W), **page_meta,
-                      WRAPS=bool(wraps),
+                      NQ, W, *page_args, *wide_args, D=D, NQP=next_pow2(NQ), WP=next_pow2(W), **page_meta,
+                      WRAPS=bool(wraps), WIDE=wide is not None,
                       enable_fp_fusion=False)  # quantize-on-write's exact q8_0 / turbo arithmetic
     return fused or pages is None
 

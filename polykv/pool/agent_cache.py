@@ -60,8 +60,10 @@ class Group:
     slots: torch.Tensor | None = None  # int64 [G] (host)
     new: torch.Tensor | None = None  # int64 [G] lengths after this forward (host)
     # a split step (`AgentCache.attend`): every agent attends at its last `narrow` columns only,
-    # the agents `wide` (int64 [J], rows of this group, on the device) at all n_q; None: all at n_q
+    # the agents `wide` (int64 [J], rows of this group, on the device) at all n_q; None: all at n_q.
+    # wide_pos int64 [G]: row g's place in `wide`, -1 if none (the ring step writes their segments)
     wide: torch.Tensor | None = None
+    wide_pos: torch.Tensor | None = None
     narrow: int = 0
     # device tensors the recent windows derive from the fields above, made by the first layer that
     # needs them and shared by the rest of this forward (polykv.pool.ring: fewer kernels per layer)
@@ -343,7 +345,7 @@ class AgentCache(Cache):
                     store.write(key_states, value_states, g.rows)
                 self._segments[layer_idx] = self.rings.write(
                     layer_idx, key_states, value_states, g.sel, g.lens, g.rows, self.scratch_row(),
-                    memo=g.memo, pages=pages)
+                    memo=g.memo, pages=pages, wide=None if g.wide is None else (g.wide, g.wide_pos))
         return key_states, value_states
 
     def attend(self, module, query, key, value, attention_mask, scaling=None, **kwargs):
@@ -366,7 +368,7 @@ class AgentCache(Cache):
         out[:, shift:] = self._cascade(li, query[:, :, shift:], scaling, self._agents(li, narrow, shift),
                                        narrow).transpose(1, 2)
         if g.wide.numel():
-            wide = None if seg is None else (seg[0].index(g.wide), seg[1].index(g.wide), seg[2])
+            wide = None if seg is None else (seg[3], seg[4], seg[2])  # written by the ring step
             got = self._cascade(li, query.index_select(0, g.wide), scaling, self._agents(li, wide, g.wide), wide)
             out.index_copy_(0, g.wide, got.transpose(1, 2))
         return out
@@ -398,7 +400,7 @@ class AgentCache(Cache):
 
     def _cascade(self, li: int, query, scaling, agents: tuple, seg):
         """One cascade call of layer li for the query rows [n, Hq, n_q, D] of `agents` (`_agents`)
-        with their window segment (k, v Packed [n, Hkv, R - 1 + n_q], kv_start) or None: the
+        with their window segment (k, v Packed [n, Hkv, R - 1 + n_q], kv_start, ...) or None: the
         shared prefix, the agents' suffix pages (the rows older than the window where there is
         one) and the segment, merged in the cascade's own combine. Returns [n, Hq, n_q, D]."""
         lens, older, table, start = agents
@@ -433,7 +435,7 @@ class AgentCache(Cache):
                                                 page_size=P, suffix_rows=g.seq, **common)
             return out.transpose(1, 2)
         R, W = self.ring_recent[li], self.windows[li]
-        seg_k, seg_v, seg_start = self._segments.pop(li)
+        seg_k, seg_v, seg_start = self._segments.pop(li)[:3]
         ring = self.rings.layers[li]
         lens = g.lens.to(device=query.device, dtype=torch.int32)
         main = g.memo[("older", R)]

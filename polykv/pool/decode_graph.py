@@ -35,10 +35,10 @@ up to a power of two (8..PREFILL_MAX: a few captures per bucket), keeping only e
 column's logits; an agent with nothing to feed gets padding columns only (scratch writes, its length
 unchanged). Where few agents feed more than the kept columns (a prompt joining agents that decode
 or verify), the step splits its attention (`_split`, `AgentCache.attend`): every agent attends at
-its kept columns, the joining agents (their slots uploaded per replay, up to a power of two of
-them) at every column — two cascade calls instead of every agent at the prompt's width, where
-about 31 + P of 32 x P query columns were real (BENCHMARKS §8.16); captured per (bucket, n_q,
-joining agents rounded up). Eagerly such a step was one forward per layer op — ~100 launches per layer, host-bound on
+its kept columns, up to SPLIT_WIDE joining agents (their slots uploaded per replay) at every
+column — two cascade calls instead of every agent at the prompt's width, where about 31 + P of
+32 x P query columns were real (BENCHMARKS §8.16, §8.17); captured per (bucket, n_q, split or
+not). Eagerly such a step was one forward per layer op — ~100 launches per layer, host-bound on
 a GPU: a join cost about as much as ten decode steps (BENCHMARKS §8.13). Longer feeds, and steps
 whose padded columns would cost more FLOPs than the eager forward's host time (`prefill_budget`:
 large models, wide buckets), stay eager. Mixed steps (`run_mixed`): where prompts join agents that
@@ -112,6 +112,12 @@ PREFILL_MAX = 128
 # FLOP/s: B x n_q <= PREFILL_FLOPS_PER_LAYER / (2 x weights per layer) — an estimate, not a
 # measurement (SmolLM2-135M: ~17k columns, every step up to PREFILL_MAX; a Llama-3-8B layer: ~275).
 PREFILL_FLOPS_PER_LAYER = 0.6e-3 * 2e14
+# Agents a split prefill / mixed step computes at every column (`DecodeGraphs._split`): one key per
+# (bucket, columns) serves one or two joining prompts (most joins: one agent leaves, one joins). Each
+# count would be a capture of its own: with joiners rounded up to a power of two (1, 2, 4, 8) the
+# H200's spec bench captured inside its timed rows (BENCHMARKS §8.17). A step with more joiners
+# runs unsplit.
+SPLIT_WIDE = 2
 
 
 def layer_weights(model) -> int:
@@ -138,7 +144,8 @@ class _Captured:
     graph: torch.cuda.CUDAGraph | None  # None: the static step runs eagerly (`capture=False`)
     fn: object  # the step itself
     hosts: list[torch.Tensor]  # two pinned int64 [3, B, n_q], used in turn: tokens, flat write
-    # rows, position ids; a split step's [4, B, n_q], its wide agents' slots first in plane 3
+    # rows, position ids; a split step's [4, B, n_q], plane 3 its wide agents' slots, then each
+    # slot's place among them (-1: none)
     inp: torch.Tensor  # int64 [3 or 4, B, n_q] on the device: the last uploaded host buffer
     out: dict  # n_q = 1 or a prefill step: "logits" float32 [B, vocab], "greedy" int64 [B] (the
     # last column); n_q > 1: "logits" float32 [B, n_q, vocab], "greedy" int64 [B, n_q]. Written by
@@ -340,9 +347,11 @@ class DecodeGraphs:
         hn[2, :n] = np.maximum(p + cache.doc_len, 0)
         self._fill_padding(h, n, cache.scratch_row())
         if cap.wide < B:  # a split step: its wide agents, then others (computed twice, harmless)
-            idx = hn[3].reshape(-1)
+            idx, pos = hn[3].reshape(-1)[: cap.wide], hn[3].reshape(-1)[cap.wide: cap.wide + B]
             idx[: len(wide)] = wide
-            idx[len(wide): cap.wide] = np.setdiff1d(np.arange(B), wide)[: cap.wide - len(wide)]
+            idx[len(wide):] = np.setdiff1d(np.arange(B), wide)[: cap.wide - len(wide)]
+            pos[:] = -1
+            pos[idx] = np.arange(cap.wide)
         cap.upload(h)
         fed = int((toks < 0).sum())  # ids only the device knows (feedback)
         if fed:
@@ -363,15 +372,14 @@ class DecodeGraphs:
     def _split(self, B: int, n_q: int, keep: int, wide: int) -> int:
         """How many agents a prefill / mixed step of B agents x n_q columns computes at every
         column when `wide` of them feed more than the kept columns (joining prompts; the rest
-        attend at their last `keep` columns only, `AgentCache.attend`): the next power of two
-        (one capture serves 1, 2, ... joiners), or B — no split — unless the split step attends
-        at most half the query columns (B x keep + that x n_q <= B x n_q / 2: two cascade calls
-        and the copies joining them cost launches of their own). Host-tier documents do not split
-        (each cascade call streams the prefix)."""
-        if self.cache.streamed:
+        attend at their last `keep` columns only, `AgentCache.attend`): SPLIT_WIDE where at most
+        that many join, else B — no split; and B unless the split step attends at most half the
+        query columns (B x keep + SPLIT_WIDE x n_q <= B x n_q / 2: two cascade calls and the copies
+        joining them cost launches of their own). Host-tier documents do not split (each cascade
+        call streams the prefix)."""
+        if self.cache.streamed or wide > SPLIT_WIDE:
             return B
-        got = bucket(wide) if wide else 0
-        return got if 2 * (B * keep + got * n_q) <= B * n_q else B
+        return SPLIT_WIDE if 2 * (B * keep + SPLIT_WIDE * n_q) <= B * n_q else B
 
     def _family(self, keep: int) -> dict:
         """The captured steps of a kind by `keep` (`_replay`): decode / verify, prefill, mixed."""
@@ -396,6 +404,11 @@ class DecodeGraphs:
         hosts = [torch.zeros(planes, B, n_q, dtype=torch.long, pin_memory=dev.type == "cuda") for _ in range(2)]
         for host in hosts:
             self._fill_padding(host, 0, cache.scratch_row())  # warm-up writes go to scratch
+            if planes == 4:  # wide agents 0..wide-1 until a replay says which
+                flat = host[3].view(-1)
+                flat[:wide] = torch.arange(wide)
+                flat[wide: wide + B] = -1
+                flat[wide: 2 * wide] = torch.arange(wide)
         inp = hosts[0].to(dev, copy=True)  # never the host buffer itself (CPU)
         mask = dummy_mask(B, n_q, dev)
         out: dict[str, torch.Tensor] = {}
@@ -405,7 +418,9 @@ class DecodeGraphs:
             lens = (pos[:, -1] - cache.doc_len + 1).to(torch.int32)  # the last column's position
             cache._group = Group(sel=slice(0, B), n_q=n_q, rows=rows, lens=lens,
                                  seq=cache.pages.table.shape[1] * cache.pages.page_size,
-                                 wide=inp[3].reshape(-1)[:wide] if wide < B else None, narrow=keep)
+                                 wide=inp[3].reshape(-1)[:wide] if wide < B else None,
+                                 wide_pos=inp[3].reshape(-1)[wide: wide + B] if wide < B else None,
+                                 narrow=keep)
             try:
                 # no autograd on the eager path either (capture_step runs it under no_grad): a
                 # codec table cached under inference_mode elsewhere cannot enter a tracked graph

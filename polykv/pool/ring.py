@@ -32,7 +32,8 @@ the window segment of the forward is the R - 1 + n_q positions [L - n_q - R + 1,
 (L: its length after the forward) — the ring's rows before the write, the new columns where real —
 and the newest min(C, new) rows are stored — on the kernels in one launch with the rows' page write
 (`dispatch.ring_step(pages=)`; a feed that wraps the ring, R - 1 + n_q > C, reads before it stores:
-`wraps=True`). Attention then reads that segment causally with window
+`wraps=True`; a split step's joining agents get their segments apart too, `wide=`). Attention then
+reads that segment causally with window
 R (`kv_start` hides positions < 0); the rest is the cascade with suffix lengths L - R (query j sits
 at p_j - R there: it sees suffix rows <= p_j - R), merged by LSE (`AgentCache.attend`).
 """
@@ -151,7 +152,8 @@ class AgentRings:
                 st[:, :, dst * c: (dst + 1) * c] = st[:, :, src * c: (src + 1) * c]
 
     def write(self, li: int, k: torch.Tensor, v: torch.Tensor, slots, lens: torch.Tensor,
-              page_rows: torch.Tensor, page_scratch: int, memo: dict | None = None, pages=None):
+              page_rows: torch.Tensor, page_scratch: int, memo: dict | None = None, pages=None,
+              wide: tuple | None = None):
         """One forward's rows of layer li: k, v [G, Hkv, n_q, D] (true space, left-padded), slots
         (a slice of consecutive slots, or int64 [G]), lens int [G] (lengths after the forward),
         page_rows int64 [G, n_q] (the columns' page rows; page_scratch where the column is padding,
@@ -162,7 +164,9 @@ class AgentRings:
         masks, which depend on those and on (R, C) only, are computed by the first layer; it also
         gets ("older", R): int32 [G] max(L - R, 0), the rows before each window (`AgentCache`).
         pages (`dispatch.KVTarget`): the rows' page write, done here too — in the ring step's
-        launch on the kernels."""
+        launch on the kernels. wide (idx int64 [J], pos int64 [G]; `dispatch.ring_step`): the
+        segments of agents idx too, as two more Packed [J, Hkv, W] (else None, None) after
+        kv_start."""
         from ..kernels import dispatch
 
         lay = self.layers[li]
@@ -178,9 +182,9 @@ class AgentRings:
         gather_rows, rows, kv_start, real, _ = idx
         # one launch on the kernels (`dispatch.ring_step`); wraps: a feed longer than the spare
         # rows (a prompt joining) stores rows its segment reads, which the step reads first
-        seg_k, seg_v = dispatch.ring_step(lay.k, lay.v, k, v, rows, gather_rows, real, pages=pages,
-                                          wraps=R - 1 + n_q > C)
-        return seg_k, seg_v, kv_start
+        segs = dispatch.ring_step(lay.k, lay.v, k, v, rows, gather_rows, real, pages=pages,
+                                  wraps=R - 1 + n_q > C, wide=wide)
+        return segs[0], segs[1], kv_start, *(segs[2:] or (None, None))
 
     @staticmethod
     def _indices(slots, lens: torch.Tensor, page_rows: torch.Tensor, page_scratch: int, n_q: int, R: int,

@@ -164,3 +164,36 @@ def test_a_long_feed_keeps_the_history(path):
         for p in range(L - C, L):
             for ring in (ring_k, ring_v):
                 assert torch.equal(ring.codes[:, int(slots[a]) * C + p % C], enc.codes[a, :, p]), (path, a, p)
+
+
+@pytest.mark.parametrize("n_q,R,C,wraps", [(8, 4, 6, True), (3, 4, 6, False)])
+def test_ring_step_writes_the_wide_segments(n_q, R, C, wraps):
+    """A split step's joining agents (`dispatch.ring_step(wide=(idx, pos))`): the kernel's launch
+    also writes their segments, [J, Hkv, W] — the step's own segment rows of agents idx, bit for
+    bit (as the torch path's gather), the ring and the segment as without them; a long feed that
+    wraps the ring included."""
+    from polykv.kernels import dispatch
+
+    g = torch.Generator().manual_seed(n_q + C)
+    G, H, D = 4, 2, 64
+    scratch = G * C
+    slots = torch.tensor([1, 3, 0, 2])
+    lens = torch.tensor([n_q + 2, n_q + 7, n_q, n_q + 1])
+    real = torch.ones(G, n_q, dtype=torch.bool)
+    real[0, 0] = False  # a left-padded agent among the wide ones
+    seg_rows, rows, *_ = AgentRings._indices(slots, lens, _page_rows(real), -1, n_q, R, C, scratch, "cpu")
+    k, v = (torch.randn(G, H, n_q, D, generator=g) * 3 for _ in range(2))
+    idx = torch.tensor([3, 0])
+    pos = torch.full((G,), -1, dtype=torch.long)
+    pos[idx] = torch.arange(2)
+    ring = [_ring(g, H, scratch + 1, D) for _ in range(2)]
+    plain = [_clone(p) for p in ring]
+    want = dispatch.ring_step(*plain, k, v, rows, seg_rows, real, wraps=wraps)
+    got = dispatch.ring_step(*ring, k, v, rows, seg_rows, real, wraps=wraps, wide=(idx, pos))
+    for a, b in zip(got[:2], want):  # the step's own segment: as without wide agents
+        assert torch.equal(a.codes, b.codes) and torch.equal(a.scales, b.scales)
+    for wide, seg in zip(got[2:], want):
+        assert wide.codes.shape[0] == 2
+        assert torch.equal(wide.codes, seg.codes[idx]) and torch.equal(wide.scales, seg.scales[idx])
+    for a, b in zip(ring, plain):
+        assert torch.equal(a.codes[:, :scratch], b.codes[:, :scratch])

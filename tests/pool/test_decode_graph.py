@@ -482,7 +482,7 @@ def test_prompts_are_prefilled_through_the_static_step(tiny, static_graphs, monk
 def test_a_joining_prompt_splits_the_step(static_graphs, monkeypatch, family, recent):
     """A prompt joining agents that decode splits the captured step's attention: every agent at
     its last column, the joining agent at every column (`DecodeGraphs._split`,
-    `AgentCache.attend`; 4 agents, one joins: 4 x 1 + 1 x 8 of 32 columns) — the eager prefill's
+    `AgentCache.attend`; 7 agents in a bucket of 8, one joins: 8 x 1 + 2 x 8 of 64 columns) — the eager prefill's
     logits, every step, and the split step really ran. The mixed step (prompts joining agents
     that verify drafts) splits too: `test_joins_split_the_mixed_step`."""
     from polykv.pool import decode_graph
@@ -502,13 +502,13 @@ def test_a_joining_prompt_splits_the_step(static_graphs, monkeypatch, family, re
 
     def run():
         out = []
-        with pool.open_batch(doc, capacity=4, seq_capacity=16) as b:
-            aids = [b.add(p) for p in ([5, 6, 7], [8, 9], [10, 11, 12, 13])]
+        with pool.open_batch(doc, capacity=8, seq_capacity=16) as b:
+            aids = [b.add(p) for p in ([5, 6, 7], [8, 9], [10, 11, 12, 13], [14], [15, 16], [17, 18, 19])]
             out.append(b.step())
             for t in (20, 21):
                 b.feed({a: t for a in aids})
                 out.append(b.step())
-            aids.append(b.add([30, 31, 32, 33, 34, 35]))  # joins: 3 agents decode beside it
+            aids.append(b.add([30, 31, 32, 33, 34, 35]))  # joins: 6 agents decode beside it
             b.feed({a: 22 for a in aids[:-1]})
             out.append(b.step())
             b.feed({a: 23 for a in aids})
@@ -531,7 +531,7 @@ def test_a_joining_prompt_splits_the_step(static_graphs, monkeypatch, family, re
 
 def split_and_unsplit(family: str, recent: int, head_dim: int = 32) -> tuple:
     """The same steps split and unsplit (`DecodeGraphs._split` forced to every agent): a prompt
-    joining three decoding agents (`run_prefill`), then one joining three that verify drafts
+    joining six decoding agents (`run_prefill`), then one joining six that verify drafts
     (`run_mixed`, 4 kept columns). Each: (kept logits per step, suffix page pools, windows without
     their scratch row, lengths, (pages owned, page size), captured prefill and mixed keys)."""
     from tests.pool.conftest import CharTok, tiny_gemma, tiny_llama
@@ -543,22 +543,25 @@ def split_and_unsplit(family: str, recent: int, head_dim: int = 32) -> tuple:
     doc = pool.add_document(DOC)
 
     def run(split: bool):
-        with pool.open_batch(doc, capacity=4, seq_capacity=32) as b:
+        with pool.open_batch(doc, capacity=8, seq_capacity=32) as b:
             g = DecodeGraphs(model, b.cache, pool._pad_id, capture=False)
             if not split:
                 g._split = lambda B, n_q, keep, wide: B
-            out = [g.run_prefill([[5, 6, 7], [8, 9], [10, 11, 12, 13]])[0]]
-            out.append(g.run([20, 21, 22])[0])
-            out.append(g.run_prefill([[23], [24], [25], list(range(30, 37))])[0])  # 7 tokens: 8 columns
-            out.append(g.run([26, 27, 28, 29])[0])
+            out = [g.run_prefill([[5, 6, 7], [8, 9], [10, 11, 12, 13], [14], [15, 16], [17, 18, 19]])[0]]
+            out.append(g.run([20, 21, 22, 23, 24, 25])[0])
+            # 7 tokens join six agents that decode: 8 columns
+            out.append(g.run_prefill([[23], [24], [25], [26], [27], [28], list(range(30, 37))])[0])
+            out.append(g.run([26, 27, 28, 29, 30, 31, 32])[0])
             g.expect_columns(4)
-            out.append(g.run_mixed([[40, 41, 42, 43], [44], [45, 46], []], keep=4)[0])  # one waits
-            out.append(g.run_mixed([[47, 48], [49, 50, 51], [52], list(range(60, 72))], keep=4)[0])
+            # one waits; then 12 tokens join six agents that verify: 16 columns, 8 x 4 + 2 x 16 of 128
+            out.append(g.run_mixed([[40, 41, 42, 43], [44], [45, 46], [], [47], [48], [49, 50]], keep=4)[0])
+            out.append(g.run_mixed([[47, 48], [49, 50, 51], [52], [53], [54, 55, 56, 57], [58], [59],
+                                    list(range(60, 72))], keep=4)[0])
             keys = sorted(g._prefills) + sorted(g._mixed)
             pools = [t.clone() for st in b.cache.store for t in st.tensors()]
             rings = [t[:, :-1].clone() for t in b.cache.ring_tensors()]  # the last row is scratch
             pages = [list(p) for p in b.cache.pages.owned], b.cache.pages.page_size
-            return out, pools, rings, b.cache.lens[:4].clone(), pages, keys
+            return out, pools, rings, b.cache.lens[:8].clone(), pages, keys
 
     return run(True), run(False)
 
@@ -570,9 +573,9 @@ def test_split_steps_equal_the_unsplit_ones(family, recent):
     window row. Both joins really split (the captured keys); on the kernels:
     test_split_steps_on_triton_kernels_interpreted."""
     got, want = split_and_unsplit(family, recent)
-    # (bucket, columns, agents at every column): the batch's first prompts do not split (3 of 4)
-    assert got[5] == [(4, 8, 1), (4, 8, 4), (4, 8, 0), (4, 16, 1)]
-    assert want[5] == [(4, 8, 4), (4, 8, 4), (4, 16, 4)]
+    # (bucket, columns, agents at every column): the batch's first prompts do not split (5 of 6)
+    assert got[5] == [(8, 8, 2), (8, 8, 8), (8, 8, 8), (8, 16, 2)]
+    assert want[5] == [(8, 8, 8), (8, 8, 8), (8, 16, 8)]
     for x, y in zip(got[0], want[0]):
         torch.testing.assert_close(x, y, rtol=0, atol=1e-5)
     assert torch.equal(got[3], want[3]) and got[4] == want[4]
@@ -587,7 +590,8 @@ _SPLIT_SCRIPT = r"""
 import json
 import torch
 from tests.pool.test_decode_graph import split_and_unsplit
-got, want = split_and_unsplit("llama", 4, head_dim=64)  # the kernels' page tile needs head_dim 64
+# the kernels' page tile needs head_dim 64; two layers: the joiners' every column feeds layer 2
+got, want = split_and_unsplit("llama", 4, head_dim=64)
 err = max(float((x - y).abs().max()) for x, y in zip(got[0], want[0]))
 print(json.dumps({"err": err, "keys": got[5], "lens": torch.equal(got[3], want[3]),
                   "triton": __import__("polykv.kernels.dispatch").kernels.dispatch.use_triton(torch.zeros(1))}))
@@ -602,7 +606,7 @@ def test_split_steps_on_triton_kernels_interpreted():
 
     got = run_interpreted(_SPLIT_SCRIPT)
     assert got["triton"] and got["lens"]
-    assert got["keys"] == [[4, 8, 1], [4, 8, 4], [4, 8, 0], [4, 16, 1]]
+    assert got["keys"] == [[8, 8, 2], [8, 8, 8], [8, 8, 8], [8, 16, 2]]
     assert got["err"] < 1e-3
 
 
@@ -637,11 +641,12 @@ def test_captured_prefill_step_on_cuda(monkeypatch):
     model = _llama_2layers().to("cuda", torch.bfloat16)
     pool = SharedKVPool(model, None, k="q8_0", v="turbo3", progress=False, recent=4)
     doc = pool.add_document(list(range(3, 250)) * 4)
-    prompts, joiner = [[5, 6, 7], [8, 9], list(range(10, 23))], list(range(30, 50))
+    prompts = [[5, 6, 7], [8, 9], list(range(10, 23)), [24], [25, 26], [27, 28, 29]]
+    joiner = list(range(30, 50))
 
     def run():
         out = []
-        with pool.open_batch(doc, capacity=4, seq_capacity=64) as b:
+        with pool.open_batch(doc, capacity=8, seq_capacity=64) as b:
             aids = [b.add(p) for p in prompts]
             out.append(b.step())
             for t in (60, 61):
@@ -658,9 +663,9 @@ def test_captured_prefill_step_on_cuda(monkeypatch):
     want, _ = run()
     monkeypatch.setattr(decode_graph, "PREFILL_MAX", 128)
     got, widths = run()
-    # the prompts (13 tokens: 3 of 4 agents at every column) and the joiner (20: split, one agent
-    # at every column)
-    assert widths == [(4, 16, 4), (4, 32, 1)]
+    # the prompts (13 tokens: 5 of 6 feed several, no split) and the joiner (20: split, it and one
+    # other agent at every column)
+    assert widths == [(8, 16, 8), (8, 32, 2)]
     for w, g in zip(want, got):
         assert w.keys() == g.keys()
         for a in w:
