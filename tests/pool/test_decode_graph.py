@@ -529,6 +529,25 @@ def test_a_joining_prompt_splits_the_step(static_graphs, monkeypatch, family, re
             torch.testing.assert_close(g[a], w[a], rtol=0, atol=1e-5)
 
 
+@pytest.mark.parametrize("B,n_q,keep,wide,streamed,want", [
+    (32, 16, 1, 1, False, 2),  # one prompt joins 31 decoders: 32 + 2 x 16 of 512 columns
+    (32, 16, 1, 2, False, 2),
+    (32, 16, 1, 3, False, 32),  # more joiners than SPLIT_WIDE: unsplit
+    (8, 8, 1, 0, False, 2),  # no joiner feeds more than kept (a mixed step's short prompt)
+    (8, 16, 4, 1, False, 2),  # a mixed step: 8 x 4 + 2 x 16 = half of 128
+    (8, 8, 4, 1, False, 8),  # 8 x 4 + 2 x 8 > half of 64
+    (4, 8, 1, 1, False, 4),  # 4 + 16 > half of 32
+    (32, 16, 1, 1, True, 32),  # a host-tier document: each cascade call streams the prefix
+])
+def test_split_rule(B, n_q, keep, wide, streamed, want):
+    """`DecodeGraphs._split`: SPLIT_WIDE agents at every column while at most that many feed more
+    than the kept columns and the split attends at most half the columns; else every agent."""
+    from types import SimpleNamespace
+
+    graphs = SimpleNamespace(cache=SimpleNamespace(streamed=streamed))
+    assert DecodeGraphs._split(graphs, B, n_q, keep, wide) == want
+
+
 def split_and_unsplit(family: str, recent: int, head_dim: int = 32) -> tuple:
     """The same steps split and unsplit (`DecodeGraphs._split` forced to every agent): a prompt
     joining six decoding agents (`run_prefill`), then one joining six that verify drafts
