@@ -367,10 +367,9 @@ class AgentCache(Cache):
                                              for p in seg[:2]), seg[2])
         out[:, shift:] = self._cascade(li, query[:, :, shift:], scaling, self._agents(li, narrow, shift),
                                        narrow).transpose(1, 2)
-        if g.wide.numel():
-            wide = None if seg is None else (seg[3], seg[4], seg[2])  # written by the ring step
-            got = self._cascade(li, query.index_select(0, g.wide), scaling, self._agents(li, wide, g.wide), wide)
-            out.index_copy_(0, g.wide, got.transpose(1, 2))
+        wide = None if seg is None else (seg[3], seg[4], seg[2])  # written by the ring step
+        got = self._cascade(li, query.index_select(0, g.wide), scaling, self._agents(li, wide, g.wide), wide)
+        out.index_copy_(0, g.wide, got.transpose(1, 2))
         return out
 
     def _agents(self, li: int, seg, part) -> tuple:

@@ -120,6 +120,20 @@ PREFILL_FLOPS_PER_LAYER = 0.6e-3 * 2e14
 SPLIT_WIDE = 2
 
 
+def _wide_plane(plane: np.ndarray, slots: np.ndarray, wide: int) -> None:
+    """Fill a split step's input plane 3 (int64 [B, n_q], viewed flat): its `wide` agents — the
+    slots that feed more than the kept columns, then other slots (computed at every column too:
+    harmless) — and from index `wide` each of the B slots' place among them (-1: none), which the
+    ring step writes their window segments by (`dispatch.ring_step(wide=)`)."""
+    B = plane.shape[0]
+    flat = plane.reshape(-1)
+    idx, pos = flat[:wide], flat[wide: wide + B]
+    idx[: len(slots)] = slots
+    idx[len(slots):] = np.setdiff1d(np.arange(B), slots)[: wide - len(slots)]
+    pos[:] = -1
+    pos[idx] = np.arange(wide)
+
+
 def layer_weights(model) -> int:
     """Weights of one decoder layer (all weights but the embeddings and the output head, over the
     layer count): what one token column costs to push through a layer, x2 FLOPs."""
@@ -219,7 +233,7 @@ class DecodeGraphs:
 
     def prefill_widths(self) -> list[tuple[int, int, int]]:
         """(bucket, n_q, wide) of every captured prefill step (`run_prefill`), sorted; wide: how
-        many agents attend at every column (`split_wide`: bucket, a step that does not split)."""
+        many agents attend at every column (`_split`; the bucket: a step that does not split)."""
         return sorted(self._prefills)
 
     def run(self, tokens: list[int], feedback: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
@@ -346,12 +360,8 @@ class DecodeGraphs:
         # padded columns: the positions before the real ones (as AgentCache.begin), clamped
         hn[2, :n] = np.maximum(p + cache.doc_len, 0)
         self._fill_padding(h, n, cache.scratch_row())
-        if cap.wide < B:  # a split step: its wide agents, then others (computed twice, harmless)
-            idx, pos = hn[3].reshape(-1)[: cap.wide], hn[3].reshape(-1)[cap.wide: cap.wide + B]
-            idx[: len(wide)] = wide
-            idx[len(wide):] = np.setdiff1d(np.arange(B), wide)[: cap.wide - len(wide)]
-            pos[:] = -1
-            pos[idx] = np.arange(cap.wide)
+        if cap.wide < B:
+            _wide_plane(hn[3], wide, cap.wide)
         cap.upload(h)
         fed = int((toks < 0).sum())  # ids only the device knows (feedback)
         if fed:
@@ -405,10 +415,7 @@ class DecodeGraphs:
         for host in hosts:
             self._fill_padding(host, 0, cache.scratch_row())  # warm-up writes go to scratch
             if planes == 4:  # wide agents 0..wide-1 until a replay says which
-                flat = host[3].view(-1)
-                flat[:wide] = torch.arange(wide)
-                flat[wide: wide + B] = -1
-                flat[wide: 2 * wide] = torch.arange(wide)
+                _wide_plane(host[3].numpy(), np.zeros(0, dtype=np.int64), wide)
         inp = hosts[0].to(dev, copy=True)  # never the host buffer itself (CPU)
         mask = dummy_mask(B, n_q, dev)
         out: dict[str, torch.Tensor] = {}

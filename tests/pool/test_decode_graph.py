@@ -548,6 +548,24 @@ def test_split_rule(B, n_q, keep, wide, streamed, want):
     assert DecodeGraphs._split(graphs, B, n_q, keep, wide) == want
 
 
+@pytest.mark.parametrize("slots,wide", [([5], 2), ([6, 1], 2), ([], 2)])
+def test_wide_plane_names_the_agents_and_their_places(slots, wide):
+    """A split step's plane 3: its wide agents (the joiners first, then distinct others) and each
+    slot's place among them, -1 elsewhere — the map the ring step writes their segments by (the
+    CPU reference gathers by the agents themselves, so only this and the kernels see it)."""
+    import numpy as np
+
+    from polykv.pool.decode_graph import _wide_plane
+
+    plane = np.full((8, 8), 99, dtype=np.int64)
+    _wide_plane(plane, np.array(slots, dtype=np.int64), wide)
+    flat = plane.reshape(-1)
+    idx, pos = flat[:wide], flat[wide: wide + 8]
+    assert list(idx[: len(slots)]) == slots and len(set(idx)) == wide
+    assert [int(pos[s]) for s in idx] == list(range(wide))
+    assert sorted(p for p in pos if p >= 0) == list(range(wide)) and (pos == -1).sum() == 8 - wide
+
+
 def split_and_unsplit(family: str, recent: int, head_dim: int = 32) -> tuple:
     """The same steps split and unsplit (`DecodeGraphs._split` forced to every agent): a prompt
     joining six decoding agents (`run_prefill`), then one joining six that verify drafts
