@@ -125,11 +125,16 @@ class Planned:
     checked per call, launch hooks included (a profiler installed later sees Triton-path launches
     only: set `enabled = False` to profile through hooks)."""
 
-    __slots__ = ("run", "function", "head", "grid", "static", "dev", "stream")
+    __slots__ = ("run", "function", "head", "grid", "static", "dev", "stream", "kept")
 
     def __init__(self, e: _Entry, grid: tuple, static: tuple, dev, stream):
         self.run, self.function, self.head = e.run, e.function, e.head
-        self.grid, self.static, self.dev, self.stream = grid, static, dev, stream
+        self.grid, self.dev, self.stream = grid, dev, stream
+        # the kept tensors go to the launcher as their addresses: for a tensor it calls data_ptr()
+        # and asks the driver about the pointer (cuPointerGetAttribute) on every launch, for an
+        # int neither; `kept` holds them alive
+        self.kept = static
+        self.static = tuple(a.data_ptr() if isinstance(a, torch.Tensor) else a for a in static)
 
     def __call__(self, *tensors) -> None:
         g = self.grid

@@ -14,8 +14,6 @@ fp32 rotation GEMM and a cast: five launches per layer and call). `_merge_kernel
 
 from __future__ import annotations
 
-import contextlib
-
 from typing import NamedTuple
 
 import torch
@@ -26,7 +24,7 @@ from ..codecs import Packed
 from .gluon_prefix import WsPlan, ws_ok, ws_prefix_parts
 from .launch import Planned
 from .launch import launch as cached_launch
-from .triton_decode import PHASE_MAX_ROWS, _DecodePlan, combine_outputs, combine_splits, decode_parts
+from .triton_decode import PHASE_MAX_ROWS, _aligned, _DecodePlan, combine_outputs, combine_splits, decode_parts
 
 
 @triton.jit
@@ -178,7 +176,8 @@ class CascadePasses(NamedTuple):
     shape: tuple  # qp's [N, Hkv, M, D]
     out_dtype: torch.dtype | None
     prefix_lens: torch.Tensor  # int32 [1]: the prefix's rows
-    part_sizes: tuple  # float32 elements of each pass's (o, lse) partials, in one allocation
+    part_numel: int  # float32 elements of every pass's (o, lse) partials, in one allocation
+    part_offsets: tuple  # byte offset of each partial in it (multiples of 64)
     tokens: int  # > 1: the combine stores token-major (`triton_decode.combine_outputs`)
 
     @classmethod
@@ -187,11 +186,13 @@ class CascadePasses(NamedTuple):
            tokens: int = 1) -> "CascadePasses":
         # each partial starts 64-byte aligned, as a fresh buffer would (the launches were
         # specialised on it)
-        sizes = tuple(-(-n // 16) * 16 for p in (prefix, suffix, recent) if p is not None
-                      for n in (p.o_numel, p.l_numel))
+        sizes = [_aligned(n) for p in (prefix, suffix, recent) if p is not None
+                 for n in (p.o_numel, p.l_numel)]
+        offsets = tuple(4 * sum(sizes[:i]) for i in range(len(sizes)))
         if prefix_lens.is_cuda:
             side_stream(prefix_lens.device)  # made now, not inside a capture
-        return cls(prefix, suffix, recent, combine, shape, out_dtype, prefix_lens, sizes, tokens)
+        return cls(prefix, suffix, recent, combine, shape, out_dtype, prefix_lens, sum(sizes), offsets,
+                   tokens)
 
     def __call__(self, qp: torch.Tensor, prefix_k: Packed, prefix_v: Packed, suffix_k: Packed,
                  suffix_v: Packed, suffix_lens: torch.Tensor, suffix_pages: torch.Tensor | None,
@@ -203,9 +204,12 @@ class CascadePasses(NamedTuple):
         recent without codec and window), given exactly when the plan has one."""
         dev = qp.device
         w, s, r = self.prefix, self.suffix, self.recent
-        # the passes' partials in one allocation (host time: one allocator call, not four)
-        sizes = self.part_sizes
-        parts = torch.empty(sum(sizes), dtype=torch.float32, device=dev).split_with_sizes(sizes)
+        # the passes' partials in one allocation, handed to the launches as addresses (host time:
+        # no view per partial, no pointer query per launch); `buf` holds it until the launches
+        # are queued (freed after, stream-ordered, as any temporary)
+        buf = torch.empty(self.part_numel, dtype=torch.float32, device=dev)
+        at = buf.data_ptr()
+        parts = [at + off for off in self.part_offsets]
         o_p, l_p = parts[0], parts[1]
         # captured into a CUDA graph, the suffix pass is a branch beside the prefix pass (neither
         # reads the other's output): its small programs run on the SMs the prefix pass leaves
@@ -218,19 +222,31 @@ class CascadePasses(NamedTuple):
             side.wait_stream(main)
         w.launch(qp, prefix_k.codes, prefix_k.scales, prefix_v.codes, prefix_v.scales,
                  self.prefix_lens, o_p, l_p)
-        o_s, l_s = o_t, l_t = o_p, l_p  # never read without their passes
-        with torch.cuda.stream(side) if fork else contextlib.nullcontext():
-            if s is not None:
-                o_s, l_s, _ = s(qp, suffix_k, suffix_v, lens_i32(suffix_lens, dev),
-                                page_table=suffix_pages, parts=parts[2:4])
-            if r is not None:
-                qr, rk, rv, rlens, rstart = recent
-                o_t, l_t, _ = r(qr, rk, rv, rlens, kv_start=rstart, parts=parts[-2:])
         if fork:
+            with torch.cuda.stream(side):
+                sides = self._side_passes(qp, suffix_k, suffix_v, suffix_lens, suffix_pages, recent, parts, dev)
             main.wait_stream(side)
+        else:
+            sides = self._side_passes(qp, suffix_k, suffix_v, suffix_lens, suffix_pages, recent, parts, dev)
         out, lse = combine_outputs(self.shape, self.out_dtype or torch.float32, dev, out_shape, self.tokens)
-        self.combine(o_p, l_p, o_s, l_s, o_t, l_t, out, lse)
+        self.combine(o_p, l_p, *sides, out, lse)
         return out, lse
+
+    def _side_passes(self, qp, suffix_k, suffix_v, suffix_lens, suffix_pages, recent, parts, dev) -> tuple:
+        """The suffix and recent-window passes (those planned) into their partials: the combine's
+        (o_s, l_s, o_t, l_t), the prefix pass's partials in place of a pass not run (never read)."""
+        s, r = self.suffix, self.recent
+        o_s = o_t = parts[0]
+        l_s = l_t = parts[1]
+        if s is not None:
+            s(qp, suffix_k, suffix_v, lens_i32(suffix_lens, dev), page_table=suffix_pages,
+              parts=parts[2:4])
+            o_s, l_s = parts[2], parts[3]
+        if r is not None:
+            qr, rk, rv, rlens, rstart = recent
+            r(qr, rk, rv, rlens, kv_start=rstart, parts=parts[-2:])
+            o_t, l_t = parts[-2], parts[-1]
+        return o_s, l_s, o_t, l_t
 
 
 _SIDE: dict = {}

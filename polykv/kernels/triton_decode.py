@@ -599,6 +599,12 @@ def _remember(key, plan, store: dict | None = None) -> None:
     store[key] = plan
 
 
+def _aligned(n: int) -> int:
+    """n float32 elements rounded up to 64 bytes: each partial starts aligned, as a fresh buffer
+    would (the launches were specialised on it)."""
+    return -(-n // 16) * 16
+
+
 class _DecodePlan(NamedTuple):
     launch: launch_mod.Planned
     o_numel: int
@@ -612,8 +618,8 @@ class _DecodePlan(NamedTuple):
                  kv_start: torch.Tensor | None = None, page_table: torch.Tensor | None = None,
                  parts: tuple | None = None, q_shift: torch.Tensor | None = None) -> SplitParts:
         """The planned split pass on these tensors (decode_parts' arguments, already int32 on the
-        device), one launch; parts: its (o, lse) partial buffers (float32, o_numel / l_numel),
-        else fresh ones."""
+        device), one launch; parts: its (o, lse) partial buffers (float32, o_numel / l_numel;
+        tensors or their device addresses), else fresh ones."""
         if parts is None:
             dev = qp.device
             parts = (torch.empty(self.o_numel, dtype=torch.float32, device=dev),
@@ -1084,9 +1090,11 @@ class CallPlan(NamedTuple):
 def planned_rows(prep: launch_mod.Planned | None, q: torch.Tensor, s: torch.Tensor | None,
                  qp_shape: tuple) -> torch.Tensor:
     """A planned call's query rows [*qp_shape] in K's domain, as `prep_q_triton` (prep: its
-    planned launch) or dispatch's plain view of q (prep None) make them."""
+    planned launch) or dispatch's plain view of q (prep None) make them — for the planned
+    launches, which take their address only: a contiguous q (prep None) is returned as it is, its
+    memory being those rows (host time: no view per call)."""
     if prep is None:
-        return q.reshape(qp_shape).contiguous()
+        return q if q.is_contiguous() else q.reshape(qp_shape).contiguous()
     dev = q.device
     qp = torch.empty(qp_shape, dtype=torch.float32, device=dev)
     prep(q if q.stride(-1) == 1 else q.contiguous(),

@@ -152,4 +152,7 @@ def test_scratch_free_kernels_take_the_compiled_launcher(fake, scratch):
     n = len(head)
     assert len(calls) == 2 and all(c[:n] == head for c in calls)
     assert calls[0][n] is x and calls[1][n].data_ptr() == x[16:].data_ptr()  # the planned tensor
-    assert all(c[n + 1] is x and c[n + 2:] == (16, 1.0, 1, 7, "x") for c in calls)
+    # the kept tensor: itself on the first launch, its address on the planned one (no pointer
+    # query per launch)
+    assert calls[0][n + 1] is x and calls[1][n + 1] == x.data_ptr()
+    assert all(c[n + 2:] == (16, 1.0, 1, 7, "x") for c in calls)

@@ -56,7 +56,7 @@ def test_repeated_decode_takes_its_plans_with_the_same_tensors(launches):
     assert len(launches) == 2  # no full path: both launches planned
     (t,), (c,) = dplan.calls, cplan.calls
     assert len(t) == 13 and len(c) == 8
-    assert torch.equal(t[0], q2.reshape(2, 2, 4, 128))  # the query rows, this call's
+    assert t[0] is q2  # the query rows, this call's: a contiguous q's memory is its rows
     assert all(a is b for a, b in zip(t[1:7], dargs[1:7]))  # codes, factors, codebooks
     assert t[7] is lens2 and t[8] is lens2 and t[9] is dargs[9]  # lengths (no left padding), no pages
     assert t[10].shape == dargs[10].shape and t[11].shape == dargs[11].shape
@@ -109,7 +109,7 @@ def test_a_repeated_call_runs_its_call_plan_alone(launches, monkeypatch):
     monkeypatch.setattr(td, "decode_prepared", no_full_path)
     out2, lse2 = dispatch.attention_decode(q2, kp, vp, kc, vc)
     (d,), (c,) = dplan.calls, cplan.calls
-    assert torch.equal(d[0], q2.reshape(1, 2, 4, 128)) and d[1] is kp.codes and d[3] is vp.codes
+    assert d[0] is q2 and d[1] is kp.codes and d[3] is vp.codes
     assert d[7] is dargs[7]  # the full-length kv_lens of (B, S)
     assert c[0] is d[10] and c[1] is d[11] and c[6] is out2 and c[7] is lse2
     assert out2.shape == (1, 8, 1, 128) and lse2.shape == (1, 8, 1) and out2.dtype == q2.dtype
@@ -154,18 +154,34 @@ def test_a_repeated_cascade_runs_its_call_plan(ws_launches, monkeypatch):
     sl2 = torch.tensor([1, 2, 3, 4, 5], dtype=torch.int32)
     out, lse = dispatch.cascade_attention(q2, pk, pv, sk, sv, sl2, kc, vc)
     (w,), (sp,), (c,) = wplan.calls, splan.calls, cplan.calls
-    qp = q2.reshape(5, 2, 4, 128)
-    assert torch.equal(w[0], qp) and w[1] is pk.codes and w[2] is pk.scales and w[3] is pv.codes
-    assert w[5] is wargs[5] and w[6].shape == wargs[6].shape  # the prefix length, partials
+    # q contiguous: its memory is the rows [5, 2, 4, 128] the full path read (a view): q itself
+    assert torch.equal(wargs[0], q1.reshape(5, 2, 4, 128)) and wargs[0].data_ptr() == q1.data_ptr()
+    assert w[0] is q2 and w[1] is pk.codes and w[2] is pk.scales and w[3] is pv.codes
+    assert w[5] is wargs[5]  # the prefix length
     assert sp[0] is w[0] and sp[1] is sk.codes and torch.equal(sp[7], sl2) and sp[9] is sargs[9]
     assert c[0] is w[6] and c[1] is w[7] and c[2] is sp[10] and c[3] is sp[11]
     assert c[6] is out and c[7] is lse and out.shape == (5, 8, 1, 128) and lse.shape == (5, 8, 1)
     assert len(launches) == 3  # nothing took the launch path
-    # the partials share one allocation; each starts 64-byte aligned, as the launches were keyed
+    # the partials: addresses in one allocation, in order, each 64-byte aligned as the launches
+    # were keyed, each with at least the room the full path's own buffer had
     parts = (w[6], w[7], sp[10], sp[11])
-    assert all(p.data_ptr() % 64 == 0 for p in parts)
-    assert all(p.numel() >= a.numel() for p, a in zip(parts, (wargs[6], wargs[7], sargs[10], sargs[11])))
-    assert len({p.untyped_storage().data_ptr() for p in parts}) == 1
+    assert all(type(p) is int and p % 64 == 0 for p in parts)
+    room = [b - a for a, b in zip(parts, parts[1:])]
+    assert all(r >= 4 * a.numel() for r, a in zip(room, (wargs[6], wargs[7], sargs[10])))
+
+
+def test_a_cascade_plan_copies_a_strided_query(ws_launches):
+    """A q that is not contiguous (a verify step's columns of a wider buffer) is copied into rows
+    per call, as the full path does; the plan hands the launches the copy, not q."""
+    g = torch.Generator().manual_seed(5)
+    kc, vc, pk, pv, sk, sv, sl = _five_agents(g)
+    wide = torch.randn(5, 8, 3, 128, generator=g)
+    dispatch.cascade_attention(wide[:, :, 1:2], pk, pv, sk, sv, sl, kc, vc)
+    (_, wargs, wplan), _, _ = ws_launches
+    q2 = wide[:, :, 2:3]
+    dispatch.cascade_attention(q2, pk, pv, sk, sv, sl, kc, vc)
+    (w,) = wplan.calls
+    assert w[0] is not q2 and w[0].is_contiguous() and torch.equal(w[0], q2.reshape(5, 2, 4, 128))
 
 
 def test_a_cascade_tuned_with_nested_dicts_is_planned(ws_launches):
@@ -240,7 +256,7 @@ def test_a_cascade_with_a_recent_segment_plans_its_third_pass(ws_launches, monke
     monkeypatch.setattr(triton_cascade, "cascade_prepared", lambda *a, **k: 1 / 0)
     out, lse = dispatch.cascade_attention(q2, pk, pv, sk, sv, sl, kc, vc, recent=r2)
     (w,), (sp,), (rp,), (c,) = wplan.calls, splan.calls, rplan.calls, cplan.calls
-    assert torch.equal(rp[0], q2.reshape(3, 2, 4, 128)) and rp[1] is r2.k.codes and rp[3] is r2.v.codes
+    assert rp[0] is q2 and rp[1] is r2.k.codes and rp[3] is r2.v.codes  # q's rows: q itself
     assert rp[0] is sp[0]
     assert torch.equal(rp[7], torch.full((3,), 8)) and rp[8] is r2.kv_start
     assert c[0] is w[6] and c[2] is sp[10] and c[4] is rp[10] and c[5] is rp[11]
