@@ -66,6 +66,7 @@ def section(name):
 def check(name, ok, **info):
     RES["checks"].append(dict(name=name, ok=bool(ok), **info))
     log(f"[{'ok' if ok else 'FAIL'}] {name} {info}")
+    save()  # a run stopped by its time limit keeps every check it made (session 27: none kept)
 
 
 @section("env")

@@ -52,16 +52,21 @@ def test_demo_speculative_json(tiny_dir):  # noqa: F811
     assert {"steps", "drafted", "accepted", "tokens"} <= set(obj["speculative"])
 
 
-def test_bench_spec_main_without_typer_times_the_sync_loop(tiny_dir, tmp_path, capsys):  # noqa: F811
+def test_bench_spec_main_without_typer_times_the_sync_loop(tiny_dir, tmp_path, capsys, monkeypatch):  # noqa: F811
     """`python -m polykv.bench.spec` (the GPU machine has no typer): the CLI's options plus --sync,
-    which times the synchronous speculative loop in the same repeats (row fields *_sync)."""
+    which times the synchronous speculative loop in the same repeats (row fields *_sync), and
+    --split-wide, the join split's rule for an A/B (recorded)."""
     from polykv.bench.spec import main
+    from polykv.pool import decode_graph
 
+    monkeypatch.setattr(decode_graph, "SPLIT_WIDE", decode_graph.SPLIT_WIDE)  # restored after
     out = tmp_path / "d" / "spec.json"
     main(["--device", "cpu", "--model", tiny_dir, "--agents", "2", "--max-new-tokens", "6", "--workloads", "quoting",
-          "--methods", "suffix_tree", "--row-invariant", "--sync", "--dtype", "float32", "--out", str(out)])
+          "--methods", "suffix_tree", "--row-invariant", "--sync", "--dtype", "float32", "--split-wide", "3",
+          "--out", str(out)])
     obj = json.loads(out.read_text())
     assert json.loads(capsys.readouterr().out) == obj
+    assert obj["split_wide"] == 3 == decode_graph.SPLIT_WIDE
     (r,) = obj["rows"]
     assert obj["sync"] is True and obj["dtype"] == "float32"
     assert r["identical"] is True and r["identical_sync"] is True
