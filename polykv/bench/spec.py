@@ -8,7 +8,7 @@ a model quoting a sentence writes " the" where the file has "\nthe"):
 * freeform   questions answered in the model's own words (a poem, advice, an opinion): little to
              copy; adaptive draft length must back off to plain decoding.
 
-Per (workload, agents, method): one untimed warm-up of each side with the same prompts, then the
+Per (workload, agents, method): untimed warm-ups of each side with the same prompts, then the
 plain run and the speculative run alternately (`repeats` times each), greedy, the same prompts and
 max_new_tokens. tok_s = new tokens / wall seconds of `pool.generate` (median over repeats), for both
 sides; `identical` = every answer's token ids equal between the two sides (greedy is lossless).
@@ -17,8 +17,10 @@ graphs captured by earlier calls over the document (`SharedKVPool.max_parked_bat
 speculative side's width planner starts from the step times measured so far (`StepTimes`). The
 warm-up pays the captures of the batch size (graph_captures_warmup, _warmup_baseline): the
 speculative warm-up's first decode step captures every verify width 1..num_draft_tokens+1 of its
-bucket (`AgentBatch.expect_drafts`), so graph_captures of the timed runs should be 0 (a width first
-chosen mid-run captured there before: 1.4 s in one H200 row).
+bucket (`AgentBatch.expect_drafts`); a side's warm-up runs again while it captured anything (up to
+WARMUPS runs: continuous batching meets prefill and mixed steps of keys a first run may miss), so
+graph_captures of the timed runs should be 0 (a width first chosen mid-run captured there before:
+1.4 s in one H200 row; a split join step's key in session 27's timed rows, BENCHMARKS §8.18).
 
 Rows (DESIGN §6): {workload, method, agents, tokens_per_step, acceptance, tok_s, tok_s_baseline,
 speedup, identical, steps, steps_baseline, drafted, accepted, new_tokens, seconds, seconds_baseline}.
@@ -140,6 +142,22 @@ def check_args(workloads, methods, k: str, v: str, requests_per_agent: int = 1, 
         raise ValueError(f"recent must be >= 0, got {recent}")
 
 
+WARMUPS = 3
+"""Untimed runs of a side at most before its timed ones (`_warm_up`)."""
+
+
+def _warm_up(run) -> int:
+    """Runs `run()` (a side's `generate`; returns its `last_generate`) until a run captures no CUDA
+    graph, at most WARMUPS times; returns the graphs captured in all."""
+    captured = 0
+    for _ in range(WARMUPS):
+        c = run()["graph_captures"]
+        captured += c
+        if not c:
+            break
+    return captured
+
+
 def _bench(model, tok, text, agents, workloads, methods, num_draft_tokens, max_new_tokens, repeats, k, v,
            adaptive, log, sync=False, requests_per_agent: int = 1, recent: int = 0) -> dict:
     from ..pool import SharedKVPool
@@ -177,7 +195,7 @@ def _bench(model, tok, text, agents, workloads, methods, num_draft_tokens, max_n
                 spec = {"method": method, "num_draft_tokens": num_draft_tokens, "adaptive": adaptive}
                 # warm-up of both paths at this batch size: Triton compiles and the graph captures
                 # of its buckets and widths (kept by the pool for the later calls)
-                warm = [timed(prompts, None, n)[1]["graph_captures"], timed(prompts, spec, n)[1]["graph_captures"]]
+                warm = [_warm_up(lambda: timed(prompts, None, n)[1]), _warm_up(lambda: timed(prompts, spec, n)[1])]
                 base_s, spec_s, sync_s, caps = [], [], [], [0, 0, 0]
                 for _ in range(repeats):
                     s, base = timed(prompts, None, n)
