@@ -28,7 +28,9 @@ tokens_per_step: tokens emitted per agent per verify forward; steps: batch forwa
 Diagnostics beside them: step_ms / step_ms_baseline (median ms of a step by its widest draft count,
 0 = plain; from `pool.last_generate["step_ms"]`) and graph_captures / graph_captures_baseline (CUDA
 graphs the timed runs captured: each costs warm-up forwards and a capture, per bucket and width),
-widths: {width: steps} the speculative side's planner chose (0 = plain; `Speculator.propose_all`).
+widths: {width: steps} the speculative side's planner chose (0 = plain; `Speculator.propose_all`);
+join_split / join_unsplit (_baseline): the last repeat's captured steps where prompts joined, by
+whether their attention split (`DecodeGraphs._split`; on the CPU static steps count too).
 The document's outputs tree (`suffix_tree`) is emptied before every run.
 recent = R: the pool's recent window (0 by default: explicit k / v take none, as every run before
 session 25; the default preset's R is 8 — `polykv.pool.ring`, where a joining prompt's rows wrap the
@@ -229,6 +231,10 @@ def _bench(model, tok, text, agents, workloads, methods, num_draft_tokens, max_n
                            first_ms=sp["step_ms"]["first"], first_ms_baseline=base["step_ms"]["first"],
                            join_steps=sp["step_ms"]["joins"], join_steps_baseline=base["step_ms"]["joins"],
                            join_ms=sp["step_ms"]["joins_ms"], join_ms_baseline=base["step_ms"]["joins_ms"],
+                           # of the captured steps where prompts joined (the last repeat): attention split / not
+                           join_split=sp["join_steps_split"], join_unsplit=sp["join_steps_unsplit"],
+                           join_split_baseline=base["join_steps_split"],
+                           join_unsplit_baseline=base["join_steps_unsplit"],
                            graph_captures=caps[1], graph_captures_baseline=caps[0],
                            graph_captures_warmup=warm[1], graph_captures_warmup_baseline=warm[0],
                            widths=st.get("widths", {}), full_accepts=st.get("full_accepts", 0),

@@ -138,6 +138,13 @@ class AgentBatch:
         captured, and 0 without captured steps."""
         return self._graphs.captures if self._graphs is not None else 0
 
+    @property
+    def join_steps(self) -> tuple[int, int]:
+        """(split, unsplit): the captured prefill / mixed steps of this batch where agents fed more
+        than the kept columns (joining prompts), by whether their attention split
+        (`DecodeGraphs._split`); (0, 0) without captured steps."""
+        return tuple(self._graphs.join_steps) if self._graphs is not None else (0, 0)
+
     # --- agents ------------------------------------------------------------------------------
     def add(self, prompt_ids: list[int]) -> int:
         """Add an agent whose suffix is `prompt_ids` (token ids after the document; at least one).

@@ -200,6 +200,8 @@ class DecodeGraphs:
         self._mempool = None
         self.captures = 0  # steps built since the last `reset` (captured graphs, or static eager steps)
         self.total_captures = 0  # steps built over this object's life (across reuses)
+        # prefill / mixed steps with joining agents since the last `reset`: [split, unsplit] (`_split`)
+        self.join_steps = [0, 0]
         self._peak = 0  # most agents in one step since the last `reset`
         self.columns = 1  # widest step this batch may run (`expect_columns`): its bucket's widths
         # token columns (bucket x n_q) a captured prefill step may compute (PREFILL_FLOPS_PER_LAYER)
@@ -216,6 +218,7 @@ class DecodeGraphs:
         restart the per-batch counters; the captured steps stay (valid while the cache's
         `storage_version` is unchanged, checked at every replay)."""
         self.captures = 0
+        self.join_steps = [0, 0]
         self._peak = 0
         self.columns = 1
 
@@ -338,6 +341,8 @@ class DecodeGraphs:
         cap = graphs.get(key(B))
         if cap is None or (keep > 1 and cap.out["logits"].shape[1] < keep):
             cap = self._capture(B, n_q, keep, key(B)[2] if keep else B)
+        if keep and len(wide):
+            self.join_steps[cap.wide == B] += 1
         h = cap.staging()
         hn = h.numpy()  # pinned host memory on CUDA, viewed
         pad = self.pad_id

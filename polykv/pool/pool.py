@@ -698,7 +698,9 @@ class SharedKVPool:
         prompt's answer is the same whatever max_batch (the agents are independent; exactly so
         under `row_invariant`). Returns the decoded answers (special tokens skipped, leading and
         trailing whitespace stripped), in prompt order; the token ids are in
-        `last_generate["answer_ids"]`."""
+        `last_generate["answer_ids"]`, and beside the step times there the captured steps where
+        prompts joined, by whether their attention split (`join_steps_split`, `join_steps_unsplit`:
+        `DecodeGraphs._split`)."""
         from ..generation import find_stop, is_greedy, stop_token_ids
         from ..spec import SpecConfig, Speculator
 
@@ -857,7 +859,7 @@ class SharedKVPool:
                     batch.feed(feed, drafts)  # the token each agent emitted last, then its drafts
                     joined = join()  # waiting prompts take the slots of those done
                 drafted = {a: len(d) for a, d in drafts.items()}
-            captures = batch.graph_captures
+            captures, join_steps = batch.graph_captures, batch.join_steps
         # every prompt joined unless max_new_tokens <= 0 (nothing to generate)
         answers = [outs[a] for a in aids] + [[] for _ in range(len(suffixes) - len(aids))]
         texts = []
@@ -869,6 +871,7 @@ class SharedKVPool:
                                   new_tokens=[len(a) for a in answers], kv_bytes_agents_peak=peak,
                                   suffix_ids=suffixes, answer_ids=[list(a) for a in answers],
                                   seconds=time.perf_counter() - t0, graph_captures=captures,
+                                  join_steps_split=join_steps[0], join_steps_unsplit=join_steps[1],
                                   step_ms=_step_ms(step_s), pipelined=bool(pipelined and spec is None))
         if spec is not None:
             self.last_generate["speculative"] = dict(spec.stats(), method=spec_cfg.method,

@@ -471,6 +471,10 @@ def test_prompts_are_prefilled_through_the_static_step(tiny, static_graphs, monk
         pool.generate(doc, prompts, **kw)
         assert not begun  # no eager forward at all
         assert pool.last_generate["answer_ids"] == want.last_generate["answer_ids"]
+        # the captured prefills are counted: the first step and the later joins (three prompts,
+        # joining in two or three steps; two agents: never split)
+        lg = pool.last_generate
+        assert lg["join_steps_split"] == 0 and 3 <= lg["join_steps_unsplit"] <= 4
         parked = pool._docs[doc].parked.graphs
         assert parked.prefill_widths() == [(2, 8, 2), (2, 16, 2)]  # 9 tokens ran as 16 columns
         parked.prefill_budget = 2 * 8  # 2 agents x 8 columns: the 16-column step is over budget
@@ -500,11 +504,14 @@ def test_a_joining_prompt_splits_the_step(static_graphs, monkeypatch, family, re
     pool.max_parked_batches = 0  # each batch its own steps
     doc = pool.add_document(DOC)
 
+    joins = []
+
     def run():
         out = []
         with pool.open_batch(doc, capacity=8, seq_capacity=16) as b:
             aids = [b.add(p) for p in ([5, 6, 7], [8, 9], [10, 11, 12, 13], [14], [15, 16], [17, 18, 19])]
             out.append(b.step())
+            joins.append(b.join_steps)
             for t in (20, 21):
                 b.feed({a: t for a in aids})
                 out.append(b.step())
@@ -513,6 +520,7 @@ def test_a_joining_prompt_splits_the_step(static_graphs, monkeypatch, family, re
             out.append(b.step())
             b.feed({a: 23 for a in aids})
             out.append(b.step())
+            joins.append(b.join_steps)
         return out
 
     with row_invariant(model):
@@ -523,6 +531,8 @@ def test_a_joining_prompt_splits_the_step(static_graphs, monkeypatch, family, re
         got = run()
     # the join step, every layer: built (capture=False: one forward) and run
     assert sum(split) == 2 * model.config.num_hidden_layers
+    # the batch counts it: the first step (five prompts of several tokens) unsplit, the join split
+    assert joins == [(0, 0), (0, 0), (0, 1), (1, 1)]  # (split, unsplit): eager, then captured
     for w, g in zip(want, got):
         assert w.keys() == g.keys()
         for a in w:
