@@ -311,9 +311,9 @@ def main(argv=None) -> None:
                          "(pool.decode_graph.SPLIT_WIDE; A/B of the rule, BENCHMARKS §8.18)")
     ap.add_argument("--out", default=None)
     a = ap.parse_args(argv)
-    if a.split_wide is not None:
-        from ..pool import decode_graph
+    from ..pool import decode_graph
 
+    if a.split_wide is not None:
         decode_graph.SPLIT_WIDE = a.split_wide
     if a.device == "cuda" or (a.device is None and torch.cuda.is_available()):
         torch.backends.cuda.enable_cudnn_sdp(False)  # the baseline as the earlier GPU runs had it
@@ -326,9 +326,7 @@ def main(argv=None) -> None:
                      unwrap=not a.keep_wraps, row_invariant=a.row_invariant, sync=a.sync,
                      requests_per_agent=a.requests_per_agent, recent=a.recent,
                      log=lambda s: print(s, file=sys.stderr, flush=True))
-    from ..pool.decode_graph import SPLIT_WIDE
-
-    res["split_wide"] = SPLIT_WIDE
+    res["split_wide"] = decode_graph.SPLIT_WIDE
     text = json.dumps(res, indent=1, default=str) + "\n"
     if a.out:
         pathlib.Path(a.out).parent.mkdir(parents=True, exist_ok=True)
