@@ -32,10 +32,27 @@ def force_reference(flag: bool | None = True) -> None:
     _FORCE = flag
 
 
+def _env_is_one(name: str):
+    """A reader of whether environment variable `name` is "1", as `os.environ` holds it now. On
+    CPython's os.environ it looks in the mapping's own dict under the encoded key (~35 ns; a
+    `os.environ.get` costs ~1 µs, and every attention call asks: issue F, host time per call);
+    elsewhere it asks `os.environ.get`."""
+    env = os.environ
+    data, encode = getattr(env, "_data", None), getattr(env, "encodekey", None)
+    if not isinstance(data, dict) or encode is None:
+        return lambda: env.get(name, "0") == "1"
+    key, one = encode(name), env.encodevalue("1")
+    return lambda: data.get(key) == one
+
+
+_FORCE_ENV = _env_is_one("POLYKV_FORCE_REFERENCE")
+_CPU_ENV = _env_is_one("POLYKV_TRITON_ON_CPU")
+
+
 def _forced() -> bool:
     if _FORCE is not None:
         return _FORCE
-    return os.environ.get("POLYKV_FORCE_REFERENCE", "0") == "1"
+    return _FORCE_ENV()
 
 
 @functools.lru_cache(maxsize=None)
@@ -47,15 +64,18 @@ def triton_available() -> bool:
 def _interp() -> bool:
     """CPU tensors take the Triton path only when asked (POLYKV_TRITON_ON_CPU=1): the interpreter is
     for tests, far too slow to be a default even where TRITON_INTERPRET is set."""
-    return os.environ.get("POLYKV_TRITON_ON_CPU", "0") == "1"
+    return _CPU_ENV()
 
 
 def use_triton(*tensors: torch.Tensor) -> bool:
-    """Whether a call on these tensors takes the Triton path."""
-    cuda = [t.is_cuda for t in tensors]
-    if all(cuda):
+    """Whether a call on these tensors takes the Triton path: all on CUDA, or all on the CPU with
+    the interpreter asked for (`_interp`); never when forced to the reference."""
+    n_cuda = 0
+    for t in tensors:
+        n_cuda += t.is_cuda
+    if n_cuda == len(tensors):
         return not _forced() and triton_available()
-    return not any(cuda) and _interp() and not _forced() and triton_available()
+    return not n_cuda and _interp() and not _forced() and triton_available()
 
 
 _MODS = None
@@ -118,8 +138,11 @@ def _call_key(dec, kind: str, q: torch.Tensor, tensors: tuple, k_codec, v_codec,
     """One key for a whole eager call (issue F: host time per call): what its planned launches
     depend on — q's and the other tensors' views (`triton_decode._tkey`), the codecs, the tuning
     and the call's other arguments."""
-    tk, ck = dec._tkey, dec._codec_key
-    return (kind, q.device, tk(q), *map(tk, tensors),
+    ck = dec._codec_key
+    # `triton_decode._tkey` inline (a call per tensor is a tenth of its cost)
+    return (kind, q.device, (q.shape, q.stride(), q.dtype, q.data_ptr() & 63),
+            *[None if t is None else (t.shape, t.stride(), t.dtype, t.data_ptr() & 63)
+              for t in tensors],
             k_codec if isinstance(k_codec, str) else ck(k_codec),
             v_codec if isinstance(v_codec, str) else ck(v_codec),
             _frozen(tune) if tune else (), *args)

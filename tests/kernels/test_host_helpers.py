@@ -41,3 +41,38 @@ def test_codec_meta_cached_per_codec_and_equal_to_a_fresh_build():
                 meta["KIND"] = 0  # shared between calls: nobody may change it
     assert triton_codec.codec_meta(get_codec("turbo3", 64))["G"] == 64
     assert triton_codec.codec_meta(get_codec("turbo3", 256))["G"] == 128
+
+
+def test_env_flags_follow_os_environ_as_it_changes(monkeypatch):
+    """dispatch reads its flags from os.environ's own dict (host time), so a variable set or
+    removed after import — by a test, by a user — is seen by the next call."""
+    import torch
+
+    from polykv.kernels import dispatch
+
+    monkeypatch.setattr(dispatch, "_FORCE", None)
+    monkeypatch.delenv("POLYKV_FORCE_REFERENCE", raising=False)
+    monkeypatch.setenv("POLYKV_TRITON_ON_CPU", "1")
+    cpu = torch.zeros(1)
+    assert not dispatch._forced() and dispatch.use_triton(cpu, cpu)
+    monkeypatch.setenv("POLYKV_FORCE_REFERENCE", "1")
+    assert dispatch._forced() and not dispatch.use_triton(cpu, cpu)
+    monkeypatch.setenv("POLYKV_FORCE_REFERENCE", "0")
+    assert not dispatch._forced()
+    monkeypatch.setenv("POLYKV_TRITON_ON_CPU", "0")
+    assert not dispatch._interp() and not dispatch.use_triton(cpu)
+    monkeypatch.delenv("POLYKV_TRITON_ON_CPU")
+    assert not dispatch._interp()
+    # a flag read from a mapping without CPython's internals still follows it
+    env = {}
+    monkeypatch.setattr(dispatch.os, "environ", env)
+    flag = dispatch._env_is_one("POLYKV_X")
+    assert not flag()
+    env["POLYKV_X"] = "1"
+    assert flag()
+    # a mixed call (a CUDA tensor among CPU ones) never takes the kernels
+    monkeypatch.setattr(dispatch.os, "environ", {"POLYKV_TRITON_ON_CPU": "1"})
+    monkeypatch.setattr(dispatch, "_CPU_ENV", dispatch._env_is_one("POLYKV_TRITON_ON_CPU"))
+    assert dispatch.use_triton(torch.zeros(1), torch.zeros(1, 1))
+    monkeypatch.setattr(torch.Tensor, "is_cuda", property(lambda t: t.dim() == 2), raising=False)
+    assert not dispatch.use_triton(torch.zeros(1), torch.zeros(1, 1))
