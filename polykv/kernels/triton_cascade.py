@@ -196,12 +196,13 @@ class CascadePasses(NamedTuple):
 
     def __call__(self, qp: torch.Tensor, prefix_k: Packed, prefix_v: Packed, suffix_k: Packed,
                  suffix_v: Packed, suffix_lens: torch.Tensor, suffix_pages: torch.Tensor | None,
-                 out_shape: tuple | None = None, recent: tuple | None = None):
+                 out_shape: tuple | None = None, recent: tuple | None = None, likes: tuple = ()):
         """What `cascade_prepared` computes for these tensors (the same launches and values);
         out_shape: out [*out_shape] and lse [*out_shape[:-1]], the same rows (the caller's
         [N, Hq, n_q, D]: no reshape per call). suffix_lens: any integer dtype and device.
         recent: (qr, k, v, lens, kv_start) of the planned segment pass (`cascade_prepared`'s
-        recent without codec and window), given exactly when the plan has one."""
+        recent without codec and window), given exactly when the plan has one. likes: `like`
+        templates of out and lse (one query column), else `combine_outputs` makes them."""
         dev = qp.device
         w, s, r = self.prefix, self.suffix, self.recent
         # the passes' partials in one allocation, handed to the launches as addresses (host time:
@@ -228,7 +229,11 @@ class CascadePasses(NamedTuple):
             main.wait_stream(side)
         else:
             sides = self._side_passes(qp, suffix_k, suffix_v, suffix_lens, suffix_pages, recent, parts, dev)
-        out, lse = combine_outputs(self.shape, self.out_dtype or torch.float32, dev, out_shape, self.tokens)
+        if likes:
+            out, lse = torch.empty_like(likes[0]), torch.empty_like(likes[1])
+        else:
+            out, lse = combine_outputs(self.shape, self.out_dtype or torch.float32, dev, out_shape,
+                                       self.tokens)
         self.combine(o_p, l_p, *sides, out, lse)
         return out, lse
 

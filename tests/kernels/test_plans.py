@@ -113,6 +113,9 @@ def test_a_repeated_call_runs_its_call_plan_alone(launches, monkeypatch):
     assert d[7] is dargs[7]  # the full-length kv_lens of (B, S)
     assert c[0] is d[10] and c[1] is d[11] and c[6] is out2 and c[7] is lse2
     assert out2.shape == (1, 8, 1, 128) and lse2.shape == (1, 8, 1) and out2.dtype == q2.dtype
+    # fresh contiguous buffers of their own (made like a template: `td.like`)
+    assert out2.is_contiguous() and lse2.is_contiguous() and lse2.dtype == torch.float32
+    assert out2.untyped_storage().nbytes() == out2.numel() * out2.element_size()
     with pytest.raises(AssertionError, match="decode_prepared"):  # another window: not this plan
         dispatch.attention_decode(q2, kp, vp, kc, vc, window=16)
 
@@ -161,6 +164,10 @@ def test_a_repeated_cascade_runs_its_call_plan(ws_launches, monkeypatch):
     assert sp[0] is w[0] and sp[1] is sk.codes and torch.equal(sp[7], sl2) and sp[9] is sargs[9]
     assert c[0] is w[6] and c[1] is w[7] and c[2] is sp[10] and c[3] is sp[11]
     assert c[6] is out and c[7] is lse and out.shape == (5, 8, 1, 128) and lse.shape == (5, 8, 1)
+    assert out.dtype == q2.dtype and lse.dtype == torch.float32
+    assert out.is_contiguous() and lse.is_contiguous() and lse.untyped_storage().nbytes() == 4 * lse.numel()
+    out3, _ = dispatch.cascade_attention(q2, pk, pv, sk, sv, sl2, kc, vc)
+    assert out3.data_ptr() != out.data_ptr()  # a fresh output per call
     assert len(launches) == 3  # nothing took the launch path
     # the partials: addresses in one allocation, in order, each 64-byte aligned as the launches
     # were keyed, each with at least the room the full path's own buffer had
