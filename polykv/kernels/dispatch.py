@@ -389,21 +389,21 @@ class _CascadeCall:
     """A planned cascade call: the query preparation (turbo K; None: q viewed as rows) and the
     passes (`triton_cascade.CascadePasses`), one key for the whole call (issue F)."""
 
-    __slots__ = ("prep", "passes", "qp_shape", "out_shape", "likes")
+    __slots__ = ("prep", "passes", "qp_shape", "out_shape", "qp_like", "out_likes")
 
     def __init__(self, prep, passes, qp_shape: tuple, out_shape: tuple):
         self.prep, self.passes, self.qp_shape, self.out_shape = prep, passes, qp_shape, out_shape
-        dec, dev = _k()[0], passes.prefix_lens.device
-        # `triton_decode.like` templates of the fresh buffers: qp (turbo K), out and lse (one
-        # query column: contiguous; several are token-major views, `combine_outputs` makes them)
-        self.likes = (dec.like(qp_shape, torch.float32, dev) if prep is not None else None,
-                      *((dec.like(out_shape, passes.out_dtype or torch.float32, dev),
-                         dec.like(out_shape[:-1], torch.float32, dev)) if passes.tokens == 1 else ()))
+        like, dev = _k()[0].like, passes.prefix_lens.device
+        # `triton_decode.like` templates of the fresh buffers: qp (turbo K only), out and lse (one
+        # query column: contiguous; several are token-major views that `combine_outputs` makes)
+        self.qp_like = like(qp_shape, torch.float32, dev) if prep is not None else None
+        self.out_likes = ((like(out_shape, passes.out_dtype or torch.float32, dev),
+                           like(out_shape[:-1], torch.float32, dev)) if passes.tokens == 1 else ())
 
     def __call__(self, q, prefix_k, prefix_v, suffix_k, suffix_v, suffix_lens, s, suffix_pages,
                  recent: RecentSegment | None = None):
         dec = _k()[0]
-        qp = dec.planned_rows(self.prep, q, s, self.qp_shape, self.likes[0])
+        qp = dec.planned_rows(self.prep, q, s, self.qp_shape, self.qp_like)
         seg = None
         if recent is not None:  # its q8_0 keys read plain query rows: qp itself without a prep
             seg = (qp if self.prep is None else dec.planned_rows(None, q, None, self.qp_shape),
@@ -411,7 +411,7 @@ class _CascadeCall:
                    _full_lens(q.shape[0], recent.k.codes.shape[2], q.device),
                    _k()[1].lens_i32(recent.kv_start, q.device))
         return self.passes(qp, prefix_k, prefix_v, suffix_k, suffix_v, suffix_lens, suffix_pages,
-                           self.out_shape, recent=seg, likes=self.likes[1:])
+                           self.out_shape, recent=seg, likes=self.out_likes)
 
 
 def gather_pages(pool: Packed, table: torch.Tensor, page_size: int) -> Packed:
